@@ -1,0 +1,65 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tutorial_lib.core import (bf16_supported, environment_report, free_port, global_batch_size,
+                               smoke_mode, training_time_seconds)
+
+
+def test_global_batch_is_the_product_of_micro_batch_accumulation_and_processes():
+    assert global_batch_size(32, 4, 2) == 256
+    assert global_batch_size(7) == 7
+
+
+@pytest.mark.parametrize("bad", [(0, 1, 1), (8, 0, 1), (8, 1, -2), (2.5, 1, 1)])
+def test_global_batch_refuses_non_positive_integers(bad):
+    with pytest.raises(ValueError, match="positive integer"):
+        global_batch_size(*bad)
+
+
+def test_smoke_mode_reads_the_environment_variable(monkeypatch):
+    monkeypatch.setenv("TUTORIAL_SMOKE", "1")
+    assert smoke_mode()
+    monkeypatch.setenv("TUTORIAL_SMOKE", "0")
+    assert not smoke_mode()
+    monkeypatch.delenv("TUTORIAL_SMOKE")
+    assert not smoke_mode()
+
+
+def test_training_time_is_images_times_epochs_over_throughput():
+    assert training_time_seconds(100.0, images=1000, epochs=3) == pytest.approx(30.0)
+    with pytest.raises(ValueError):
+        training_time_seconds(0)
+
+
+def test_free_port_gives_distinct_bindable_ports():
+    import socket
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+    assert 1024 < port < 65536
+
+
+def test_environment_report_names_versions_and_devices():
+    report = environment_report()
+    assert report["torch"] == torch.__version__
+    assert report["cuda_available"] == torch.cuda.is_available()
+    assert report["bf16_supported"] == bf16_supported()
+
+
+def test_console_script_prints_version_and_hardware():
+    exe = Path(sys.executable).with_name("tutorial-lib")
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    assert out.startswith("tutorial_lib 0.")
+    assert "cuda_available" in out and "bf16_supported" in out
+
+
+def test_importing_the_library_does_no_work():
+    # No prints and no CUDA probing at import time (notebook_launcher needs CUDA untouched).
+    code = ("import torch, tutorial_lib, tutorial_lib.core; "
+            "assert not torch.cuda.is_initialized(); print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out == "ok\n"
