@@ -1,0 +1,235 @@
+"""tutorial_lib.accel: printing/logging once, W&B mode without the network, exact metrics across processes.
+
+The distributed tests run 2 real CPU processes (gloo) with `accelerate.debug_launcher`; the launched
+functions live at module level so they can be pickled. debug_launcher rendezvous through a temp
+file, so parallel test runs do not compete for a port.
+"""
+import contextlib
+import io
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from tutorial_lib.accel import (ClassificationMetrics, MetricsLogger, main_print, read_metrics,
+                                resolve_wandb_mode, wandb_api_key_configured)
+
+NUM_CLASSES = 10
+N_SAMPLES = 37   # does not divide by num_processes (2) x batch_size (4)
+BATCH_SIZE = 4
+
+
+def make_logits_dataset(n: int = N_SAMPLES, num_classes: int = NUM_CLASSES) -> TensorDataset:
+    """Fixed 'predictions' and labels: the first samples are classified right, the last ones wrong.
+
+    The dataset's start is what `even_batches` pads the last batch with, so counting padding (or
+    averaging per-process means) visibly moves the accuracy."""
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, num_classes, (n,), generator=g)
+    logits = torch.randn(n, num_classes, generator=g)
+    right = torch.arange(n) < n // 3
+    logits[right, labels[right]] += 10.0                      # confidently right
+    logits[~right, labels[~right]] -= 10.0                    # confidently wrong (outside the top 5)
+    return TensorDataset(logits, labels)
+
+
+def reference_metrics(ds: TensorDataset) -> dict:
+    """Top-1/top-5/loss over the whole dataset in one process, computed directly."""
+    logits, labels = ds.tensors
+    top5 = logits.topk(5, dim=1).indices
+    return {"top1": 100 * (top5[:, 0] == labels).double().mean().item(),
+            "top5": 100 * (top5 == labels[:, None]).any(1).double().mean().item(),
+            "loss": torch.nn.functional.cross_entropy(logits, labels).item(), "count": len(labels)}
+
+
+# --------------------------------------------------------------------------- unit tests
+
+def test_main_print_prints_only_on_the_main_process(capsys):
+    main_print(SimpleNamespace(is_main_process=True), "hello", 1)
+    main_print(SimpleNamespace(is_main_process=False), "from rank 1")
+    assert capsys.readouterr().out == "hello 1\n"
+
+
+def test_metrics_logger_appends_one_json_line_per_call_with_tensors_as_numbers(tmp_path):
+    path = tmp_path / "run" / "metrics.jsonl"     # parent folder does not exist yet
+    logger = MetricsLogger(path, accelerator=SimpleNamespace(is_main_process=True))
+    logger.log({"epoch": 0, "val_top1": torch.tensor(12.5), "lr": torch.tensor([0.1])[0]})
+    logger.log({"epoch": 1, "val_top1": 30.0})
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2
+    assert json.loads(lines[0]) == {"epoch": 0, "val_top1": 12.5, "lr": pytest.approx(0.1)}
+    assert read_metrics(path)[1] == {"epoch": 1, "val_top1": 30.0} == logger.read()[1]
+
+
+def test_metrics_logger_writes_nothing_off_the_main_process(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    MetricsLogger(path, accelerator=SimpleNamespace(is_main_process=False)).log({"epoch": 0})
+    assert not path.exists() and read_metrics(path) == []
+
+
+def test_metrics_logger_refuses_non_scalar_tensors_with_a_hint(tmp_path):
+    with pytest.raises(TypeError, match="scalars"):
+        MetricsLogger(tmp_path / "m.jsonl").log({"loss": torch.ones(3)})
+
+
+@pytest.fixture
+def no_wandb_config(monkeypatch, tmp_path):
+    """An environment with no W&B variables and an empty home (no .netrc)."""
+    for var in ["WANDB_MODE", "WANDB_API_KEY", "WANDB_DISABLED", "WANDB_BASE_URL"]:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-such-netrc"))
+    return tmp_path
+
+
+def test_resolve_wandb_mode_is_offline_without_an_api_key(no_wandb_config):
+    assert not wandb_api_key_configured()
+    assert resolve_wandb_mode() == "offline"
+
+
+def test_resolve_wandb_mode_is_online_with_a_key_in_the_environment(no_wandb_config, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert resolve_wandb_mode() == "online"
+
+
+def test_resolve_wandb_mode_is_online_with_a_netrc_entry(no_wandb_config, monkeypatch):
+    netrc_file = no_wandb_config / "netrc"
+    netrc_file.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    netrc_file.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc_file))
+    assert resolve_wandb_mode() == "online"
+
+
+@pytest.mark.parametrize("explicit,expected", [("disabled", "disabled"), ("offline", "offline"),
+                                               ("ONLINE", "online"), ("dryrun", "offline")])
+def test_resolve_wandb_mode_respects_an_explicit_wandb_mode(no_wandb_config, monkeypatch, explicit, expected):
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)       # an explicit mode beats a configured key
+    monkeypatch.setenv("WANDB_MODE", explicit)
+    assert resolve_wandb_mode() == expected
+
+
+def test_resolve_wandb_mode_refuses_an_unknown_mode(no_wandb_config, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "sometimes")
+    with pytest.raises(ValueError, match="WANDB_MODE"):
+        resolve_wandb_mode()
+
+
+def test_classification_metrics_match_a_direct_computation_over_several_batches():
+    ds = make_logits_dataset()
+    logits, labels = ds.tensors
+    per_sample = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    metrics = ClassificationMetrics(NUM_CLASSES)
+    for start in range(0, N_SAMPLES, 8):
+        sl = slice(start, start + 8)
+        metrics.update(logits[sl], labels[sl], per_sample[sl])
+    result, expected = metrics.compute(), reference_metrics(ds)
+    assert result["count"] == N_SAMPLES
+    for key in ["top1", "top5", "loss"]:
+        assert result[key] == pytest.approx(expected[key], abs=1e-4), key
+
+
+def test_classification_metrics_scalar_loss_counts_as_the_batch_mean():
+    logits, labels = torch.randn(6, 3), torch.tensor([0, 1, 2, 0, 1, 2])
+    metrics = ClassificationMetrics(3)
+    metrics.update(logits[:2], labels[:2], torch.tensor(1.0))
+    metrics.update(logits[2:], labels[2:], 4.0)
+    out = metrics.compute()
+    assert out["loss"] == pytest.approx((2 * 1.0 + 4 * 4.0) / 6)
+    assert out["top5"] == 100.0, "with 3 classes every label is within the top 5"
+
+
+def test_classification_metrics_reset_forgets_everything():
+    metrics = ClassificationMetrics(NUM_CLASSES)
+    metrics.update(torch.randn(4, NUM_CLASSES), torch.arange(4), torch.zeros(4))
+    metrics.reset()
+    out = metrics.compute()
+    assert out["count"] == 0 and math.isnan(out["top1"])
+
+
+def test_classification_metrics_refuse_mismatched_shapes():
+    metrics = ClassificationMetrics(NUM_CLASSES)
+    with pytest.raises(ValueError, match="logits"):
+        metrics.update(torch.randn(4, 7), torch.arange(4))
+    with pytest.raises(ValueError, match="labels"):
+        metrics.update(torch.randn(4, NUM_CLASSES), torch.arange(3))
+    with pytest.raises(ValueError, match="num_classes"):
+        ClassificationMetrics(1)
+
+
+# --------------------------------------------------------------------------- 2 real processes
+
+def _two_process_metrics(out_dir: str) -> None:
+    """Launched on each of 2 CPU processes: evaluate the fixed dataset three ways and record it."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    ds = make_logits_dataset()
+    loader = accelerator.prepare(DataLoader(ds, batch_size=BATCH_SIZE, shuffle=False))
+
+    exact = ClassificationMetrics(NUM_CLASSES)                     # gather_for_metrics, then count
+    local = ClassificationMetrics(NUM_CLASSES)                     # this process's samples only
+    for logits, labels in loader:
+        loss = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+        exact.gather_update(accelerator, logits, labels, loss)
+        local.update(logits, labels, loss)
+    local_result = local.compute()
+    # The pitfall: gather each process's accuracy and average those scalars.
+    per_process_top1 = accelerator.gather(torch.tensor([local_result["top1"]], dtype=torch.float64))
+
+    captured = io.StringIO()
+    with contextlib.redirect_stdout(captured):
+        main_print(accelerator, "once")
+    MetricsLogger(Path(out_dir) / "metrics.jsonl", accelerator).log({"rank": accelerator.process_index})
+
+    record = {"num_processes": accelerator.num_processes, "exact": exact.compute(),
+              "local_count": local_result["count"], "naive_top1": per_process_top1.mean().item(),
+              "printed": captured.getvalue()}
+    (Path(out_dir) / f"rank{accelerator.process_index}.json").write_text(json.dumps(record))
+
+
+@pytest.fixture(scope="module")
+def two_process_records(tmp_path_factory):
+    from accelerate import debug_launcher
+
+    out_dir = tmp_path_factory.mktemp("accel2")
+    debug_launcher(_two_process_metrics, args=(str(out_dir),), num_processes=2)
+    records = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["num_processes"] == 2 for r in records)
+    return out_dir, records
+
+
+def test_gathered_metrics_count_exactly_n_samples_on_two_processes(two_process_records):
+    _, records = two_process_records
+    assert N_SAMPLES % (2 * BATCH_SIZE) != 0
+    for rec in records:
+        assert rec["exact"]["count"] == N_SAMPLES, rec
+    # Without gather_for_metrics the padded last batch is counted: more samples than the dataset has.
+    assert sum(rec["local_count"] for rec in records) > N_SAMPLES
+
+
+def test_two_process_metrics_equal_single_process_top1_top5_and_loss(two_process_records):
+    _, records = two_process_records
+    ds = make_logits_dataset()
+    single = ClassificationMetrics(NUM_CLASSES)
+    single.update(*ds.tensors, torch.nn.functional.cross_entropy(*ds.tensors, reduction="none"))
+    single, expected = single.compute(), reference_metrics(ds)
+    for rec in records:
+        assert rec["exact"]["top1"] == single["top1"] and rec["exact"]["top5"] == single["top5"], rec
+        assert rec["exact"]["loss"] == pytest.approx(single["loss"], rel=1e-9)
+        for key in ["top1", "top5", "loss"]:   # and the single-process numbers are the true ones
+            assert rec["exact"][key] == pytest.approx(expected[key], rel=1e-6), key
+
+
+def test_averaging_per_process_accuracies_gives_a_biased_top1(two_process_records):
+    _, records = two_process_records
+    expected = reference_metrics(make_logits_dataset())["top1"]
+    assert abs(records[0]["naive_top1"] - expected) > 1.0, (records[0]["naive_top1"], expected)
+
+
+def test_main_print_and_metrics_logger_act_once_on_two_processes(two_process_records):
+    out_dir, records = two_process_records
+    assert [rec["printed"] for rec in records] == ["once\n", ""]
+    assert read_metrics(out_dir / "metrics.jsonl") == [{"rank": 0}]
