@@ -79,4 +79,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'tutorial_lib.core.seed_everything': ('introduction.html#seed_everything', 'tutorial_lib/core.py'),
                                    'tutorial_lib.core.smoke_mode': ('introduction.html#smoke_mode', 'tutorial_lib/core.py'),
                                    'tutorial_lib.core.training_time_seconds': ( 'introduction.html#training_time_seconds',
-                                                                                'tutorial_lib/core.py')}}}
+                                                                                'tutorial_lib/core.py')},
+            'tutorial_lib.optim': { 'tutorial_lib.optim.param_groups': ('weight_decay.html#param_groups', 'tutorial_lib/optim.py'),
+                                    'tutorial_lib.optim.parameter_kinds': ('weight_decay.html#parameter_kinds', 'tutorial_lib/optim.py')}}}
