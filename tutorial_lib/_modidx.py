@@ -81,4 +81,13 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'tutorial_lib.core.training_time_seconds': ( 'introduction.html#training_time_seconds',
                                                                                 'tutorial_lib/core.py')},
             'tutorial_lib.optim': { 'tutorial_lib.optim.param_groups': ('weight_decay.html#param_groups', 'tutorial_lib/optim.py'),
-                                    'tutorial_lib.optim.parameter_kinds': ('weight_decay.html#parameter_kinds', 'tutorial_lib/optim.py')}}}
+                                    'tutorial_lib.optim.parameter_kinds': ('weight_decay.html#parameter_kinds', 'tutorial_lib/optim.py')},
+            'tutorial_lib.schedules': { 'tutorial_lib.schedules._check_schedule_args': ( 'lr_schedules.html#_check_schedule_args',
+                                                                                         'tutorial_lib/schedules.py'),
+                                        'tutorial_lib.schedules.build_scheduler': ( 'lr_schedules.html#build_scheduler',
+                                                                                    'tutorial_lib/schedules.py'),
+                                        'tutorial_lib.schedules.lr_curve': ('lr_schedules.html#lr_curve', 'tutorial_lib/schedules.py'),
+                                        'tutorial_lib.schedules.lr_factor': ('lr_schedules.html#lr_factor', 'tutorial_lib/schedules.py'),
+                                        'tutorial_lib.schedules.num_optimizer_steps': ( 'lr_schedules.html#num_optimizer_steps',
+                                                                                        'tutorial_lib/schedules.py'),
+                                        'tutorial_lib.schedules.scaled_lr': ('lr_schedules.html#scaled_lr', 'tutorial_lib/schedules.py')}}}
