@@ -1,0 +1,202 @@
+"""tutorial_lib.train in one process: command line, schedule, accumulation, outputs and exact resume.
+
+The multi-process proofs (DDP, exact metric counts, schedule on 2 processes, simulated 2 machines)
+are in test_train_distributed.py."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from tutorial_lib.accel import read_metrics
+from tutorial_lib.data import embedded_data_path
+from tutorial_lib.train import (RECIPE_V1, build_training_scheduler, config_path, default_args, get_args_parser,
+                                latest_checkpoint, list_checkpoints, train)
+from train_helpers import ROOT, TINY, bitwise_equal, max_weight_difference, weights
+
+
+def run(tmp_path, name, **overrides) -> dict:
+    return train(default_args(**{**TINY, "working_directory": str(tmp_path), "experiment_name": name, **overrides}))
+
+
+# --- command line -------------------------------------------------------------------------------
+
+def test_defaults_are_the_torchvision_v1_recipe_and_the_embedded_data():
+    args = get_args_parser().parse_args([])
+    for key, value in RECIPE_V1.items():
+        assert getattr(args, key) == value, key
+    assert (args.epochs, args.batch_size, args.learning_rate, args.momentum, args.weight_decay) == (90, 32, 0.1, 0.9, 1e-4)
+    assert (args.lr_scheduler, args.lr_step_size, args.step_lr_decay) == ("step", 30, 0.1)
+    assert args.path_to_data == str(embedded_data_path()) and args.num_classes is None
+    assert args.norm_weight_decay is None and args.bias_weight_decay is None  # V1: decay on every parameter
+
+
+def test_help_says_batch_size_is_per_process_and_gives_the_global_batch_formula():
+    text = get_args_parser().format_help()
+    assert "PER PROCESS" in text
+    assert "global batch = batch_size x gradient_accumulation_steps x num_processes" in text
+    for flag in ["--experiment_name", "--path_to_data", "--working_directory", "--epochs", "--save_checkpoint_interval",
+                 "--num_classes", "--batch_size", "--gradient_accumulation_steps", "--learning_rate", "--weight_decay",
+                 "--momentum", "--step_lr_decay", "--lr_step_size", "--lr_warmup_epochs", "--lr_warmup_start_factor",
+                 "--bias_weight_decay", "--norm_weight_decay", "--max_grad_norm", "--img_size", "--num_workers",
+                 "--resume_from_checkpoint", "--mixed_precision", "--model", "--lr_scheduler", "--label_smoothing",
+                 "--seed", "--log_with"]:
+        assert flag in text, f"{flag} missing from --help"
+
+
+def test_module_entry_point_prints_help():
+    done = subprocess.run([sys.executable, "-m", "tutorial_lib.train", "--help"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "usage: tutorial-train" in done.stdout
+
+
+def test_bad_options_are_refused_with_a_message_naming_the_flag(tmp_path):
+    with pytest.raises(ValueError, match="unknown training options"):
+        default_args(batchsize=8)
+    with pytest.raises(ValueError, match="--batch_size"):
+        run(tmp_path, "bad", batch_size=0)
+    with pytest.raises(ValueError, match="--num_classes"):
+        run(tmp_path, "bad", num_classes=1000)
+    with pytest.raises(FileNotFoundError, match="--path_to_data"):
+        run(tmp_path, "bad", path_to_data=str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="--resume_from_checkpoint"):
+        run(tmp_path, "bad", resume_from_checkpoint=str(tmp_path))
+
+
+# --- schedule -----------------------------------------------------------------------------------
+
+def lrs_of(args, steps_per_epoch: int) -> list[float]:
+    """The LR of every optimizer step of `args`' schedule."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.learning_rate)
+    scheduler = build_training_scheduler(optimizer, args, steps_per_epoch)
+    lrs = []
+    for _ in range(steps_per_epoch * args.epochs):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+def test_every_warmup_flag_shapes_the_schedule():
+    steps = 10
+    base = default_args(epochs=4, lr_scheduler="cosine", learning_rate=0.1)
+    plain = lrs_of(base, steps)
+    warm = lrs_of(default_args(epochs=4, lr_scheduler="cosine", learning_rate=0.1, lr_warmup_epochs=1), steps)
+    assert plain[0] == pytest.approx(0.1) and warm[0] == pytest.approx(0.1 * 0.01)  # default start factor 0.01
+    assert warm[steps] == pytest.approx(0.1)  # warmup lasts exactly --lr_warmup_epochs x steps per epoch
+    assert all(a < b for a, b in zip(warm[:steps], warm[1:steps + 1]))  # linear ramp
+    factor = lrs_of(default_args(epochs=4, lr_scheduler="cosine", learning_rate=0.1, lr_warmup_epochs=1,
+                                 lr_warmup_start_factor=0.25), steps)
+    assert factor[0] == pytest.approx(0.025)
+    half = lrs_of(default_args(epochs=4, lr_scheduler="cosine", learning_rate=0.1, lr_warmup_epochs=0.5), steps)
+    assert half[5] == pytest.approx(0.1) and half[4] < 0.1  # fractional warmup epochs
+    with pytest.raises(ValueError, match="--lr_warmup_epochs"):
+        lrs_of(default_args(epochs=2, lr_warmup_epochs=2), steps)
+
+
+def test_step_schedule_decays_every_lr_step_size_epochs():
+    lrs = lrs_of(default_args(epochs=90), steps_per_epoch=3)
+    epoch_lr = [lrs[3 * e] for e in range(90)]
+    assert epoch_lr[0] == epoch_lr[29] == pytest.approx(0.1)
+    assert epoch_lr[30] == epoch_lr[59] == pytest.approx(0.01)
+    assert epoch_lr[60] == epoch_lr[89] == pytest.approx(0.001)
+
+
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_schedule_total_steps_and_final_lr_match_the_formula_on_one_process(tmp_path, accumulation):
+    result = run(tmp_path, f"sched{accumulation}", batch_size=8, gradient_accumulation_steps=accumulation)
+    steps_per_epoch = math.ceil((80 // 8) / accumulation)  # 10 batches; the last window may be short
+    assert result["optimizer_steps"] == result["scheduler_steps"] == 2 * steps_per_epoch
+    assert result["final_lr"] == pytest.approx(0.05 * 0.5 ** 2)  # step decay 0.5 per epoch, after 2 epochs
+    assert result["lr"] == pytest.approx(0.05 * 0.5)  # the LR the last optimizer step used
+
+
+# --- accumulation -------------------------------------------------------------------------------
+
+def test_accumulation_8x4_gives_the_same_weights_as_batch_32(tmp_path):
+    options = dict(max_train_samples=64, epochs=2)  # 2 optimizer steps per epoch either way
+    big = run(tmp_path, "b32", batch_size=32, gradient_accumulation_steps=1, **options)
+    small = run(tmp_path, "b8x4", batch_size=8, gradient_accumulation_steps=4, **options)
+    assert big["optimizer_steps"] == small["optimizer_steps"] == 4
+    diff = max_weight_difference(weights(tmp_path / "b32"), weights(tmp_path / "b8x4"))
+    assert diff <= 1e-6, f"accumulated weights differ by {diff}"
+    assert small["train_loss"] == pytest.approx(big["train_loss"], rel=1e-5)
+
+
+# --- outputs ------------------------------------------------------------------------------------
+
+def test_outputs_metrics_lines_and_checkpoint_rotation(tmp_path):
+    result = run(tmp_path, "out", batch_size=8, epochs=3, keep_last_checkpoints=2, checkpoint_every_steps=4)
+    run_dir = tmp_path / "out"
+    assert {"checkpoints", "metrics.jsonl", "model.safetensors", "wandb_run_id.txt", "config.json",
+            "final_metrics.json"} <= {p.name for p in run_dir.iterdir()}
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["epoch"] for r in rows] == [0, 1, 2]
+    for row in rows:
+        assert {"epoch", "train_loss", "train_top1", "val_loss", "val_top1", "val_top5", "lr", "images_per_sec"} <= row.keys()
+        assert row["train_count"] == 80 and row["val_count"] == 37 and row["images_per_sec"] > 0
+    assert [r["step"] for r in rows] == [10, 20, 30]
+    names = [p.name for p in list_checkpoints(run_dir)]
+    assert names == ["step_000000028", "step_000000030"], names  # last 2 of the mid-epoch and epoch-end ones
+    assert not any(p.name.startswith(".tmp") for p in (run_dir / "checkpoints").iterdir())
+    final_ckpt = weights(latest_checkpoint(run_dir))
+    assert bitwise_equal(final_ckpt, weights(run_dir))  # model.safetensors = final weights, model only
+    assert json.loads((run_dir / "config.json").read_text())["global_batch_size"] == 8
+    assert (run_dir / "wandb_run_id.txt").read_text().strip() == result["wandb_run_id"]
+
+
+def test_shipped_accelerate_configs_and_slurm_script_are_valid():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    expected = {"1gpu.yaml": (1, 1), "8gpus.yaml": (8, 1), "2nodes_8gpus.yaml": (16, 2), "cpu_2proc.yaml": (2, 1)}
+    for name, (processes, machines) in expected.items():
+        config = load_config_from_file(str(config_path(name)))
+        assert (config.num_processes, config.num_machines) == (processes, machines), name
+        assert yaml.safe_load(config_path(name).read_text())["main_training_function"] == "main"
+    slurm = config_path("slurm_2nodes_8gpus.sbatch")
+    subprocess.run(["bash", "-n", str(slurm)], check=True)
+    text = slurm.read_text()
+    assert "#SBATCH --nodes=2" in text and "--machine_rank \"$SLURM_NODEID\"" in text and "2nodes_8gpus.yaml" in text
+    with pytest.raises(FileNotFoundError, match="choose one of"):
+        config_path("16gpus.yaml")
+
+
+# --- exact resume -------------------------------------------------------------------------------
+
+RESUME = dict(model="resnet18", img_size=32, batch_size=16, gradient_accumulation_steps=3, epochs=2,
+              max_train_samples=112, lr_scheduler="cosine", lr_warmup_epochs=0.5)
+# 7 batches per epoch, accumulation 3: optimizer steps of 3, 3 and 1 micro-batches, 3 steps per epoch.
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("straight")
+    result = run(tmp, "run", **RESUME)
+    return tmp / "run", result
+
+
+@pytest.mark.parametrize("stop_after_steps,where", [(3, "epoch boundary"), (2, "mid-epoch")])
+def test_stop_and_resume_gives_bitwise_identical_weights(tmp_path, straight_run, stop_after_steps, where):
+    straight_dir, straight = straight_run
+    stopped = run(tmp_path, "run", **RESUME, stop_after_steps=stop_after_steps)
+    assert stopped["stopped"] and not stopped["finished"] and not (tmp_path / "run" / "model.safetensors").exists()
+    assert latest_checkpoint(tmp_path / "run").name == f"step_{stop_after_steps:09d}"
+    resumed = run(tmp_path, "run", **RESUME, resume_from_checkpoint="latest")
+    assert resumed["finished"] and resumed["optimizer_steps"] == straight["optimizer_steps"] == 6
+    assert bitwise_equal(weights(straight_dir), weights(tmp_path / "run")), f"weights differ after a stop at the {where}"
+    rows_straight = read_metrics(straight_dir / "metrics.jsonl")
+    rows_resumed = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["epoch"] for r in rows_resumed] == [0, 1] and [r["step"] for r in rows_resumed] == [3, 6]
+    for a, b in zip(rows_straight, rows_resumed, strict=True):
+        for key in ["train_loss", "train_top1", "val_loss", "val_top1", "val_top5", "lr", "train_count", "val_count"]:
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (where, key)  # float32 metric states
+    assert resumed["wandb_run_id"] == stopped["wandb_run_id"]  # the same W&B run continues
+
+
+def test_resume_latest_without_a_checkpoint_starts_from_scratch(tmp_path):
+    result = run(tmp_path, "fresh", batch_size=16, epochs=1, resume_from_checkpoint="latest")
+    assert result["finished"] and result["optimizer_steps"] == 5

@@ -1,0 +1,94 @@
+"""tutorial_lib.train on 2 real CPU processes (gloo, `accelerate launch`): DDP equivalence, exact metric
+counts, the schedule, and two simulated machines on loopback.
+
+Every run trains `tinycnn` (no BatchNorm) on 80 embedded images for 2 epochs with the same seed.
+The sampler is seeded by (seed, epoch) and every image's augmentation by (seed, epoch, index), so
+2 processes x batch 8 see exactly the samples of 1 process x batch 16 at every optimizer step."""
+import math
+import subprocess
+import sys
+
+import pytest
+
+from tutorial_lib.accel import read_metrics
+from tutorial_lib.core import free_port
+from tutorial_lib.train import default_args, train
+from train_helpers import ROOT, TINY, as_flags, bitwise_equal, launch, max_weight_difference, weights
+
+ACCUMULATION = 3  # 5 batches per process and epoch -> optimizer steps of 3 and 2 micro-batches
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The 2-process run, its 1-process twin, and the same 2 processes as 2 simulated machines."""
+    tmp = tmp_path_factory.mktemp("distributed")
+    common = {**TINY, "working_directory": str(tmp), "gradient_accumulation_steps": ACCUMULATION}
+    out = launch({**common, "batch_size": 8, "experiment_name": "ddp"}, num_processes=2)
+    single = train(default_args(**{**common, "batch_size": 16, "experiment_name": "single"}))
+
+    # Two "machines" of one process each, rendezvous on 127.0.0.1: machine 1 in the background
+    port = str(free_port())
+    node = ["--multi_gpu", "--num_machines", "2", "--num_processes", "2", "--main_process_ip", "127.0.0.1",
+            "--main_process_port", port]
+    options = {**common, "batch_size": 8, "experiment_name": "two_machines"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *node, "--machine_rank", "1",
+           "-m", "tutorial_lib.train", *as_flags(options)]
+    import os
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    machine1 = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out_machines = launch(options, launcher=[*node, "--machine_rank", "0"])
+    finally:
+        rest, _ = machine1.communicate(timeout=240)
+    assert machine1.returncode == 0, rest[-3000:]
+    return {"tmp": tmp, "ddp_out": out, "single": single, "machines_out": out_machines}
+
+
+def final_metrics(run_dir):
+    import json
+    return json.loads((run_dir / "final_metrics.json").read_text())
+
+
+def test_ddp_two_processes_batch_8_match_one_process_batch_16(runs):
+    ddp = final_metrics(runs["tmp"] / "ddp")
+    assert ddp["num_processes"] == 2 and runs["single"]["num_processes"] == 1
+    assert ddp["global_batch_size"] == runs["single"]["global_batch_size"] == 16 * ACCUMULATION
+    diff = max_weight_difference(weights(runs["tmp"] / "ddp"), weights(runs["tmp"] / "single"))
+    assert diff <= 1e-6, f"DDP weights differ from the single-process run by {diff}"
+
+
+def test_metrics_count_every_sample_exactly_once_on_two_processes(runs):
+    rows = read_metrics(runs["tmp"] / "ddp" / "metrics.jsonl")
+    assert len(rows) == 2
+    for row in rows:
+        assert row["val_count"] == 37, "37 validation images on 2 processes x batch 8: padding must be dropped"
+        assert row["train_count"] == 80
+    single_rows = read_metrics(runs["tmp"] / "single" / "metrics.jsonl")
+    for a, b in zip(rows, single_rows, strict=True):
+        assert a["val_top1"] == pytest.approx(b["val_top1"]) and a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
+
+
+def test_schedule_total_steps_and_final_lr_match_the_formula(runs, tmp_path):
+    """Optimizer steps = epochs x ceil((len(train_loader) // processes) / accumulation), one scheduler step each."""
+    def check(result, processes, accumulation, batch_size=8):
+        batches = (80 // batch_size) // processes  # len(train_loader) after prepare
+        steps = 2 * math.ceil(batches / accumulation)
+        assert (result["num_processes"], result["optimizer_steps"], result["scheduler_steps"]) == (processes, steps, steps)
+        assert result["final_lr"] == pytest.approx(0.05 * 0.5 ** 2)  # step decay 0.5 per epoch, 2 epochs
+        assert result["lr"] == pytest.approx(0.05 * 0.5)  # the last optimizer step ran in epoch 1
+
+    check(final_metrics(runs["tmp"] / "ddp"), processes=2, accumulation=ACCUMULATION)
+    launch({**TINY, "working_directory": str(tmp_path), "experiment_name": "acc1", "batch_size": 8,
+            "gradient_accumulation_steps": 1}, num_processes=2)
+    check(final_metrics(tmp_path / "acc1"), processes=2, accumulation=1)
+    for accumulation in (1, 3):  # and the same on one process
+        one = train(default_args(**{**TINY, "working_directory": str(tmp_path), "experiment_name": f"one{accumulation}",
+                                   "batch_size": 8, "gradient_accumulation_steps": accumulation}))
+        check(one, processes=1, accumulation=accumulation)
+
+
+def test_two_simulated_machines_match_one_machine_with_two_processes(runs):
+    machines = final_metrics(runs["tmp"] / "two_machines")
+    assert machines["num_processes"] == 2
+    assert bitwise_equal(weights(runs["tmp"] / "two_machines"), weights(runs["tmp"] / "ddp"))
+    assert read_metrics(runs["tmp"] / "two_machines" / "metrics.jsonl")[-1]["val_count"] == 37

@@ -1,0 +1,61 @@
+"""Shared helpers of tests/test_train.py and tests/test_train_distributed.py (not a test module).
+
+Runs are small: `tinycnn` (no BatchNorm) or `resnet18` at 16-32 px on a seeded subset of the
+embedded dataset, which is committed with the package (no download, no shared data)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from tutorial_lib.core import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# 80 training images: 10 batches of 8 or 5 batches of 16; 37 validation images divide by nothing.
+TINY = dict(model="tinycnn", img_size=16, epochs=2, learning_rate=0.05, momentum=0.9, weight_decay=1e-4,
+            lr_scheduler="step", lr_step_size=1, step_lr_decay=0.5, num_workers=0, cpu=True,
+            max_train_samples=80, max_val_samples=37, disable_progress_bar=True, log_with="none")
+
+
+def as_flags(options: dict) -> list[str]:
+    """`{"batch_size": 8, "cpu": True}` -> `["--batch_size", "8", "--cpu"]`."""
+    flags = []
+    for key, value in options.items():
+        if value is True:
+            flags.append(f"--{key}")
+        elif value is not False and value is not None:
+            flags += [f"--{key}", str(value)]
+    return flags
+
+
+def launch(options: dict, num_processes: int = 2, launcher: list[str] | None = None, timeout: int = 240) -> str:
+    """Run `accelerate launch --multi_gpu ... -m tutorial_lib.train --cpu ...` (gloo) and return its output.
+
+    `--multi_gpu` is accelerate's torchrun launcher; `--cpu` (passed to the script) makes the
+    processes join a gloo group. `accelerate launch --cpu` would start a single process."""
+    launcher = launcher or ["--multi_gpu", "--num_processes", str(num_processes),
+                            "--main_process_port", str(free_port())]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher, "-m", "tutorial_lib.train",
+           *as_flags(options)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"launch failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    return done.stdout
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(Path(run_dir) / "model.safetensors")
+
+
+def max_weight_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def bitwise_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
