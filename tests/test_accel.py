@@ -176,6 +176,16 @@ def _two_process_metrics(out_dir: str) -> None:
         exact.gather_update(accelerator, logits, labels, loss)
         local.update(logits, labels, loss)
     local_result = local.compute()
+
+    # sync_on_compute=True: update with local tensors, torchmetrics sums the states at compute().
+    synced_padded = ClassificationMetrics(NUM_CLASSES, sync_on_compute=True)
+    for logits, labels in loader:                                  # default even_batches: padded
+        synced_padded.update(logits, labels, torch.nn.functional.cross_entropy(logits, labels, reduction="none"))
+    accelerator.even_batches = False                               # uneven last batch, no padding
+    uneven_loader = accelerator.prepare(DataLoader(ds, batch_size=BATCH_SIZE, shuffle=False))
+    synced_uneven = ClassificationMetrics(NUM_CLASSES, sync_on_compute=True)
+    for logits, labels in uneven_loader:
+        synced_uneven.update(logits, labels, torch.nn.functional.cross_entropy(logits, labels, reduction="none"))
     # The pitfall: gather each process's accuracy and average those scalars.
     per_process_top1 = accelerator.gather(torch.tensor([local_result["top1"]], dtype=torch.float64))
 
@@ -185,6 +195,7 @@ def _two_process_metrics(out_dir: str) -> None:
     MetricsLogger(Path(out_dir) / "metrics.jsonl", accelerator).log({"rank": accelerator.process_index})
 
     record = {"num_processes": accelerator.num_processes, "exact": exact.compute(),
+              "synced_padded": synced_padded.compute(), "synced_uneven": synced_uneven.compute(),
               "local_count": local_result["count"], "naive_top1": per_process_top1.mean().item(),
               "printed": captured.getvalue()}
     (Path(out_dir) / f"rank{accelerator.process_index}.json").write_text(json.dumps(record))
@@ -233,3 +244,17 @@ def test_main_print_and_metrics_logger_act_once_on_two_processes(two_process_rec
     out_dir, records = two_process_records
     assert [rec["printed"] for rec in records] == ["once\n", ""]
     assert read_metrics(out_dir / "metrics.jsonl") == [{"rank": 0}]
+
+
+def test_sync_on_compute_sums_local_states_exactly_without_padding(two_process_records):
+    _, records = two_process_records
+    ds = make_logits_dataset()
+    single = ClassificationMetrics(NUM_CLASSES)
+    single.update(*ds.tensors, torch.nn.functional.cross_entropy(*ds.tensors, reduction="none"))
+    single = single.compute()
+    for rec in records:
+        assert rec["synced_uneven"]["count"] == N_SAMPLES, rec["synced_uneven"]
+        assert rec["synced_uneven"]["top1"] == single["top1"] and rec["synced_uneven"]["top5"] == single["top5"]
+        assert rec["synced_uneven"]["loss"] == pytest.approx(single["loss"], rel=1e-9)
+        # With the default even_batches the padded duplicates are summed too: the documented caveat.
+        assert rec["synced_padded"]["count"] == 2 * BATCH_SIZE * math.ceil(N_SAMPLES / (2 * BATCH_SIZE))
