@@ -159,6 +159,12 @@ def test_classification_metrics_refuse_mismatched_shapes():
         ClassificationMetrics(1)
 
 
+def test_gather_update_refuses_uneven_batches_with_a_hint():
+    metrics = ClassificationMetrics(NUM_CLASSES)
+    with pytest.raises(ValueError, match="sync_on_compute=True"):
+        metrics.gather_update(SimpleNamespace(even_batches=False), torch.randn(2, NUM_CLASSES), torch.arange(2))
+
+
 # --------------------------------------------------------------------------- 2 real processes
 
 def _two_process_metrics(out_dir: str) -> None:
