@@ -179,13 +179,15 @@ def straight_run(tmp_path_factory):
     return tmp / "run", result
 
 
-@pytest.mark.parametrize("stop_after_steps,where", [(3, "epoch boundary"), (2, "mid-epoch")])
-def test_stop_and_resume_gives_bitwise_identical_weights(tmp_path, straight_run, stop_after_steps, where):
+@pytest.mark.parametrize("stop_after_steps,where,workers", [(3, "epoch boundary", 0), (2, "mid-epoch", 2)])
+def test_stop_and_resume_gives_bitwise_identical_weights(tmp_path, straight_run, stop_after_steps, where, workers):
+    """The straight run loads data in the main process; the mid-epoch case uses 2 persistent workers
+    before and after the stop, so it also proves that augmentation does not depend on workers."""
     straight_dir, straight = straight_run
-    stopped = run(tmp_path, "run", **RESUME, stop_after_steps=stop_after_steps)
+    stopped = run(tmp_path, "run", **RESUME, stop_after_steps=stop_after_steps, num_workers=workers)
     assert stopped["stopped"] and not stopped["finished"] and not (tmp_path / "run" / "model.safetensors").exists()
     assert latest_checkpoint(tmp_path / "run").name == f"step_{stop_after_steps:09d}"
-    resumed = run(tmp_path, "run", **RESUME, resume_from_checkpoint="latest")
+    resumed = run(tmp_path, "run", **RESUME, resume_from_checkpoint="latest", num_workers=workers)
     assert resumed["finished"] and resumed["optimizer_steps"] == straight["optimizer_steps"] == 6
     assert bitwise_equal(weights(straight_dir), weights(tmp_path / "run")), f"weights differ after a stop at the {where}"
     rows_straight = read_metrics(straight_dir / "metrics.jsonl")
@@ -200,3 +202,17 @@ def test_stop_and_resume_gives_bitwise_identical_weights(tmp_path, straight_run,
 def test_resume_latest_without_a_checkpoint_starts_from_scratch(tmp_path):
     result = run(tmp_path, "fresh", batch_size=16, epochs=1, resume_from_checkpoint="latest")
     assert result["finished"] and result["optimizer_steps"] == 5
+
+
+def test_resumed_run_continues_the_same_wandb_run_with_monotonic_steps(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")  # real wandb, no network
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    options = dict(batch_size=16, epochs=2, log_with="wandb", log_interval=1)  # 5 optimizer steps per epoch
+    stopped = run(tmp_path, "wb", **options, stop_after_steps=7)  # mid-epoch 1
+    resumed = run(tmp_path, "wb", **options, resume_from_checkpoint="latest")
+    run_id = stopped["wandb_run_id"]
+    assert resumed["wandb_run_id"] == run_id and resumed["finished"]
+    offline_runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*"))
+    assert offline_runs and {p.name.rsplit("-", 1)[1] for p in offline_runs} == {run_id}
+    steps = [r["step"] for r in read_metrics(tmp_path / "wb" / "metrics.jsonl")]
+    assert steps == [5, 10]
