@@ -1,0 +1,307 @@
+"""Tests of tutorial_lib.bench (notebook 10): MFU arithmetic, honest timing, step-time accounting,
+the loop-overhead harness, and the GPU benchmark's code path on CPU (and its refusal without CUDA)."""
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+
+from tutorial_lib.bench import (DRY_RUN, RepeatDataset, StepTimer, alternate, build_synthetic_run, format_gpu_table,
+                                jpeg_batches, jpeg_files_and_labels, linked_image_folder, main, make_bare_step,
+                                measure_steps, median_throughput, mfu, overhead_ratio, peak_flops_for,
+                                peak_memory_bytes, run_gpu_benchmark, run_loop_benchmark, time_windows,
+                                training_flops_per_image)
+from tutorial_lib.core import count_training_flops
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_module(*args, env_extra=None, check=True):
+    """Run `python -m tutorial_lib.bench ...` in a subprocess from the repository root."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "tutorial_lib.bench", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, check=check, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def jpeg_folder(tmp_path_factory):
+    """A flat folder of small JPEGs named like ImageNet samples, one of them grayscale."""
+    from PIL import Image
+    folder = tmp_path_factory.mktemp("jpegs")
+    g = torch.Generator().manual_seed(0)
+    for k in range(6):
+        h, w = 40 + 8 * k, 56 - 4 * k
+        pixels = torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8).numpy()
+        image = Image.fromarray(pixels)
+        if k == 5:
+            image = image.convert("L")
+        image.save(folder / f"n0{k % 3}_thing{k}.JPEG", quality=90)
+    return folder
+
+
+# ---- 1. the physical limit ----------------------------------------------------------------------
+
+def test_peak_table_knows_h200_h100_a100_and_prefers_the_most_specific_name():
+    assert peak_flops_for("NVIDIA H200") == 989e12
+    assert peak_flops_for("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops_for("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops_for("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops_for("NVIDIA A10") == 125e12
+    assert peak_flops_for("NVIDIA L40S") == 362e12 and peak_flops_for("NVIDIA L4") == 121e12
+
+
+def test_user_peak_overrides_the_table_and_unknown_devices_get_none():
+    assert peak_flops_for("NVIDIA H200", peak_tflops=500) == 500e12
+    assert peak_flops_for("Some Future GPU") is None
+    assert peak_flops_for(None) is None
+    with pytest.raises(ValueError, match="positive"):
+        peak_flops_for("NVIDIA H200", peak_tflops=0)
+
+
+def test_mfu_is_achieved_flop_rate_over_peak():
+    assert mfu(2_000, 24.3e9, 312e12) == pytest.approx(2_000 * 24.3e9 / 312e12)
+    assert mfu(2_000, 24.3e9, None) is None
+
+
+def test_meta_flop_count_equals_a_real_counted_pass_and_leaves_the_model_untouched():
+    model = torchvision.models.resnet18(num_classes=10)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    counted = training_flops_per_image(model, 64)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "BN statistics changed"
+    assert all(p.grad is None for p in model.parameters())
+    assert next(model.parameters()).device.type == "cpu"
+    assert counted == count_training_flops(model, img_size=64)["train"]
+
+
+def test_flops_per_image_scale_with_pixels_and_see_through_compile_wrappers():
+    model = torchvision.models.resnet18(num_classes=10)
+    f64, f128 = training_flops_per_image(model, 64), training_flops_per_image(model, 128)
+    assert f128 / f64 == pytest.approx(4.0, rel=0.02)
+    compiled = torch.compile(model, backend="eager")
+    assert training_flops_per_image(compiled, 64) == f64
+
+
+# ---- 2. timing --------------------------------------------------------------------------------
+
+def test_time_windows_runs_warmup_untimed_then_full_windows_and_syncs_each_window():
+    calls, syncs = [], []
+    secs = time_windows(lambda: calls.append(1), windows=3, steps_per_window=4, warmup_steps=5,
+                        sync=lambda: syncs.append(len(calls)))
+    assert len(calls) == 5 + 3 * 4
+    assert len(secs) == 3
+    assert syncs == [5, 9, 13, 17], "one sync after warm-up and one at the end of every window"
+    with pytest.raises(ValueError):
+        time_windows(lambda: None, windows=0, steps_per_window=1)
+
+
+def test_median_throughput_ignores_one_stalled_window():
+    assert median_throughput([1.0, 1.0, 10.0, 1.0, 1.0], items_per_window=100) == 100.0
+
+
+# ---- 3. StepTimer -------------------------------------------------------------------------------
+
+class SleepyLoader:
+    """Yields `n` batches, sleeping `delay` seconds before each (a slow input pipeline)."""
+
+    def __init__(self, n, delay, batch=4):
+        self.n, self.delay, self.batch = n, delay, batch
+
+    def __iter__(self):
+        for _ in range(self.n):
+            time.sleep(self.delay)
+            yield torch.zeros(self.batch, 3, 2, 2)
+
+
+def test_step_timer_bills_loader_waits_to_data_and_step_work_to_compute():
+    timer = StepTimer("cpu")
+    timer.reset()
+    for batch in timer.iterate(SleepyLoader(n=5, delay=0.03)):
+        time.sleep(0.01)  # the "step"
+        timer.step_done(len(batch))
+    s = timer.summary()
+    assert s["steps"] == 5 and s["images"] == 20
+    assert 0.15 <= s["data_time"] < 0.15 + 0.1
+    assert 0.05 <= s["compute_time"] < 0.05 + 0.1
+    assert s["data_fraction"] == pytest.approx(s["data_time"] / (s["data_time"] + s["compute_time"]))
+    assert s["images_per_sec"] == pytest.approx(20 / (s["data_time"] + s["compute_time"]))
+
+
+def test_step_timer_reports_mfu_and_progress_bar_strings_and_reset_starts_a_new_epoch():
+    timer = StepTimer("cpu", flops_per_image=1e9, peak_flops=1e12)
+    for _ in timer.iterate(SleepyLoader(n=2, delay=0.0)):
+        time.sleep(0.005)
+        timer.step_done(4)
+    s = timer.summary()
+    assert s["mfu"] == pytest.approx(s["images_per_sec"] * 1e9 / 1e12)
+    assert set(timer.postfix()) == {"img/s", "data", "mfu"}
+    timer.reset(flops_per_image=2e9)  # e.g. progressive resizing moved to a higher resolution
+    assert timer.steps == timer.images == 0 and timer.data_time == timer.compute_time == 0.0
+    assert timer.flops_per_image == 2e9
+    assert StepTimer("cpu").summary()["mfu"] is None, "no FLOPs given: no MFU guessed"
+
+
+def test_peak_memory_on_cpu_is_the_process_peak_and_grows_with_a_big_allocation():
+    before = peak_memory_bytes("cpu")
+    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    after = peak_memory_bytes("cpu")
+    assert big.sum() > 0
+    assert after >= before > 0
+
+
+def test_step_timer_syncs_only_on_cuda_by_default():
+    assert StepTimer("cpu").sync is False
+    assert StepTimer("cpu", sync=True).sync is True
+
+
+# ---- 4. loop overhead harness -------------------------------------------------------------------
+
+def test_alternate_flips_the_order_every_round_and_times_each_run():
+    order = []
+    runs = {"ours": lambda n: order.append(("ours", n)), "bare": lambda n: order.append(("bare", n))}
+    times = alternate(runs, rounds=3, steps=7, warmup_rounds=1)
+    assert order == [("ours", 7), ("bare", 7),                      # warm-up
+                     ("ours", 7), ("bare", 7), ("bare", 7), ("ours", 7), ("ours", 7), ("bare", 7)]
+    assert {k: len(v) for k, v in times.items()} == {"ours": 3, "bare": 3}
+
+
+def test_overhead_ratio_detects_a_ten_percent_slower_loop():
+    runs = {"ours": lambda n: time.sleep(0.011 * n), "bare": lambda n: time.sleep(0.010 * n)}
+    ratio = overhead_ratio(alternate(runs, rounds=5, steps=2))
+    assert 1.03 < ratio < 1.3, ratio
+
+
+def test_bare_step_is_a_real_training_loop():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=5)
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 5, (4,))
+    w0 = model.fc.weight.detach().clone()
+    with torch.no_grad():
+        loss_before = torch.nn.functional.cross_entropy(model(x), y).item()
+    make_bare_step(model, x, y, lr=0.05)(4)
+    assert not torch.equal(w0, model.fc.weight), "SGD must update the weights"
+    assert all(p.grad is None for p in model.parameters()), "gradients are cleared after each step"
+    with torch.no_grad():
+        assert torch.nn.functional.cross_entropy(model(x), y).item() < loss_before, "the loss on the batch must fall"
+
+
+def test_loop_benchmark_a_a_test_reports_medians_and_ratio():
+    r = run_loop_benchmark(arch="resnet18", img_size=32, batch_size=4, steps=1, rounds=3, ours="bare")
+    assert len(r["ours_round_s"]) == len(r["bare_round_s"]) == 3
+    assert r["overhead_ratio"] == pytest.approx(statistics.median(r["ours_round_s"]) / statistics.median(r["bare_round_s"]))
+    with pytest.raises(ValueError, match="ours"):
+        run_loop_benchmark(ours="something")
+
+
+def test_bench_loop_cli_last_line_is_json_with_overhead_ratio():
+    out = run_module("loop", "--ours", "bare", "--img-size", "32", "--batch-size", "4", "--steps", "1",
+                     "--rounds", "2").stdout.strip().splitlines()
+    last = json.loads(out[-1])
+    assert last["ours"] == "bare" and last["overhead_ratio"] > 0
+    assert any(line.startswith("overhead_ratio") for line in out)
+
+
+# ---- 5. bench gpu ---------------------------------------------------------------------------------
+
+def test_bench_gpu_without_cuda_prints_one_skip_line_and_exits_zero():
+    proc = run_module("gpu", env_extra={"CUDA_VISIBLE_DEVICES": ""}, check=False)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bench gpu skipped:"), proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
+def test_synthetic_run_uses_the_requested_memory_format_and_trains():
+    run = build_synthetic_run("resnet18", "channels_last", "cpu", batch_size=2, img_size=32, num_classes=10,
+                              amp_dtype=None)
+    assert run["images"].is_contiguous(memory_format=torch.channels_last)
+    assert run["model"].conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    w0 = run["model"].fc.weight.detach().clone()
+    loss = run["step"](run["images"], run["labels"])
+    assert torch.isfinite(loss) and not torch.equal(w0, run["model"].fc.weight)
+    with pytest.raises(ValueError, match="unknown config"):
+        build_synthetic_run("resnet18", "fp8_magic", "cpu", 2, 32)
+
+
+def test_measure_steps_counts_images_per_second_from_the_median_window():
+    row = measure_steps(lambda: time.sleep(0.01), torch.device("cpu"), batch_size=8, windows=3,
+                        steps_per_window=2, warmup_steps=1)
+    assert len(row["window_s"]) == 3
+    assert row["images_per_sec"] == pytest.approx(8 * 2 / statistics.median(row["window_s"]))
+    assert 400 < row["images_per_sec"] < 800  # 8 images per ~10 ms step
+
+
+def test_jpeg_listing_labels_flat_folders_by_name_prefix(jpeg_folder):
+    files, labels, classes = jpeg_files_and_labels(jpeg_folder)
+    assert len(files) == 6 and classes == ["n00", "n01", "n02"]
+    assert [classes[y] for y in labels] == [f.name.split("_")[0] for f in files]
+    with pytest.raises(FileNotFoundError, match="--data-dir"):
+        jpeg_files_and_labels(jpeg_folder / "missing")
+
+
+def test_linked_folder_gives_a_flat_folder_the_imagefolder_layout(jpeg_folder, tmp_path):
+    from tutorial_lib.data import build_datasets
+    root = linked_image_folder(jpeg_folder, tmp_path / "linked")
+    train_ds, val_ds = build_datasets(root, img_size=16)
+    assert train_ds.classes == val_ds.classes == ["n00", "n01", "n02"]
+    assert len(train_ds) == 6 and len(val_ds) == 3, "every file for training, one per class for validation"
+    capped = linked_image_folder(jpeg_folder, tmp_path / "capped", max_files=3)
+    assert len(list((capped / "train").rglob("*.JPEG"))) == 3
+    repeated = RepeatDataset(train_ds, length=10)
+    assert len(repeated) == 10 and repeated.classes == train_ds.classes, "attributes come from the wrapped dataset"
+
+
+@pytest.mark.parametrize("pipeline", ["fast", "gpu"])
+def test_jpeg_feeds_yield_normalized_batches_in_the_model_memory_format(jpeg_folder, pipeline):
+    feed = jpeg_batches(jpeg_folder, pipeline, length=12, batch_size=4, img_size=24, workers=0, device="cpu",
+                        memory_format=torch.channels_last, num_classes=2)
+    batches = list(feed)
+    assert len(batches) == 3, "length 12 / batch 4 (drop_last)"
+    for x, y in batches:
+        assert x.shape == (4, 3, 24, 24) and x.dtype == torch.float32
+        assert x.is_contiguous(memory_format=torch.channels_last)
+        assert x.std() > 0.2, "real, normalized pixels"
+        assert y.dtype == torch.int64 and set(y.tolist()) <= {0, 1}, "labels folded into num_classes"
+    with pytest.raises(ValueError, match="pipeline"):
+        next(jpeg_batches(jpeg_folder, "dali", 4, 2, 24, 0, "cpu"))
+
+
+def test_gpu_benchmark_end_to_end_rows_run_on_cpu(jpeg_folder):
+    result = run_gpu_benchmark("cpu", **DRY_RUN, configs=["eager_nchw"], compile_backend="eager",
+                               data_dir=jpeg_folder, workers=1, decode_workers=0, log=lambda s: None)
+    rows = {r["config"]: r for r in result["rows"]}
+    assert set(rows) == {"eager_nchw", "eager_nchw+cpu_workers", "eager_nchw+device_decode"}
+    assert all(r["images_per_sec"] > 0 for r in rows.values()), rows
+    assert result["e2e_over_synthetic"] == pytest.approx(result["best_e2e_ips"] / result["best_synthetic_ips"])
+
+
+def test_gpu_benchmark_code_path_runs_on_cpu_synthetic_rows():
+    result = run_gpu_benchmark("cpu", **DRY_RUN, compile_backend="eager", data_dir=None, peak_tflops=1.0,
+                               log=lambda s: None)
+    rows = result["rows"]
+    assert [r["config"] for r in rows] == ["eager_nchw", "channels_last", "channels_last_compile"]
+    for r in rows:
+        assert r["images_per_sec"] > 0 and len(r["window_s"]) == DRY_RUN["windows"]
+        assert r["mfu"] == pytest.approx(r["images_per_sec"] * result["train_flops_per_image"] / 1e12)
+    assert result["best_synthetic_ips"] == max(r["images_per_sec"] for r in rows)
+    assert "eager_nchw" in format_gpu_table(result)
+
+
+def test_gpu_benchmark_budget_skips_what_it_cannot_start():
+    result = run_gpu_benchmark("cpu", **DRY_RUN, compile_backend="eager", data_dir=None, budget_s=0.0,
+                               log=lambda s: None)
+    assert all(r.get("skipped") == "time budget" for r in result["rows"])
+    assert "skipped" in format_gpu_table(result)
+
+
+def test_bench_data_delegates_to_07_and_ends_with_a_json_line(jpeg_folder):
+    out = run_module("data", "--data-dir", str(jpeg_folder), "--workers", "0").stdout.strip().splitlines()
+    last = json.loads(out[-1])
+    assert {"baseline_train_ips", "ours_train_ips", "baseline_val_ips", "ours_val_ips"} <= set(last)
+    assert any(line.startswith("train") for line in out) and any(line.startswith("val") for line in out)
