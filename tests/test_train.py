@@ -216,3 +216,23 @@ def test_resumed_run_continues_the_same_wandb_run_with_monotonic_steps(tmp_path,
     assert offline_runs and {p.name.rsplit("-", 1)[1] for p in offline_runs} == {run_id}
     steps = [r["step"] for r in read_metrics(tmp_path / "wb" / "metrics.jsonl")]
     assert steps == [5, 10]
+
+
+def test_onecycle_without_warmup_is_refused_with_the_flag_to_change():
+    with pytest.raises(ValueError, match="--lr_warmup_epochs"):
+        lrs_of(default_args(epochs=2, lr_scheduler="onecycle"), steps_per_epoch=5)
+    lrs = lrs_of(default_args(epochs=2, lr_scheduler="onecycle", lr_warmup_epochs=0.6), steps_per_epoch=5)
+    assert max(lrs) == pytest.approx(0.1) and lrs.index(max(lrs)) == 3
+
+
+def test_gradient_clipping_bounds_every_optimizer_step(tmp_path):
+    """Plain SGD (no momentum, no decay) with --max_grad_norm c moves the weights by at most lr x c per step."""
+    plain = dict(batch_size=16, epochs=1, momentum=0.0, weight_decay=0.0, lr_scheduler="constant", learning_rate=0.05)
+    run(tmp_path, "init", **{**plain, "learning_rate": 0.0})  # lr 0: model.safetensors = the initial weights
+    clipped = run(tmp_path, "clipped", **plain, max_grad_norm=1e-3, gradient_accumulation_steps=2)
+    run(tmp_path, "free", **plain, gradient_accumulation_steps=2)
+    init, w_clipped, w_free = weights(tmp_path / "init"), weights(tmp_path / "clipped"), weights(tmp_path / "free")
+    moved = lambda w: sum(((w[k] - init[k]).double() ** 2).sum() for k in w).sqrt().item()
+    assert clipped["optimizer_steps"] == 3  # 5 batches, accumulation 2: clipping happens on the 3 sync steps only
+    assert 0 < moved(w_clipped) <= 3 * 0.05 * 1e-3 * (1 + 1e-4)
+    assert moved(w_free) > 100 * moved(w_clipped)

@@ -57,6 +57,11 @@ def test_ddp_two_processes_batch_8_match_one_process_batch_16(runs):
     assert diff <= 1e-6, f"DDP weights differ from the single-process run by {diff}"
 
 
+def test_only_the_main_process_prints(runs):
+    assert runs["ddp_out"].count("best val top-1") == 1, runs["ddp_out"]
+    assert runs["ddp_out"].count("2 process(es)") == 1
+
+
 def test_metrics_count_every_sample_exactly_once_on_two_processes(runs):
     rows = read_metrics(runs["tmp"] / "ddp" / "metrics.jsonl")
     assert len(rows) == 2
