@@ -236,3 +236,9 @@ def test_gradient_clipping_bounds_every_optimizer_step(tmp_path):
     assert clipped["optimizer_steps"] == 3  # 5 batches, accumulation 2: clipping happens on the 3 sync steps only
     assert 0 < moved(w_clipped) <= 3 * 0.05 * 1e-3 * (1 + 1e-4)
     assert moved(w_free) > 100 * moved(w_clipped)
+
+
+def test_mid_epoch_resume_with_another_batch_size_is_refused(tmp_path):
+    run(tmp_path, "layout", batch_size=16, epochs=1, stop_after_steps=2)
+    with pytest.raises(ValueError, match="same set-up"):
+        run(tmp_path, "layout", batch_size=8, epochs=1, resume_from_checkpoint="latest")
