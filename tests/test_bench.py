@@ -199,12 +199,32 @@ def test_loop_benchmark_a_a_test_reports_medians_and_ratio():
         run_loop_benchmark(ours="something")
 
 
-def test_bench_loop_cli_last_line_is_json_with_overhead_ratio():
-    out = run_module("loop", "--ours", "bare", "--img-size", "32", "--batch-size", "4", "--steps", "1",
+def test_our_step_runs_the_training_scripts_epoch_with_its_scheduler_and_clipping():
+    from tutorial_lib.bench import make_our_step
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=5)
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 5, (4,))
+    w0 = model.fc.weight.detach().clone()
+    run = make_our_step(model, x, y, steps=3, num_classes=5, lr=0.05, max_grad_norm=1e-3)
+    run(3)
+    run(3)
+    moved = (model.fc.weight - w0).norm().item()
+    assert moved > 0, "train_one_epoch must update the weights"
+    # clipping to a norm of 1e-3 bounds every step: 6 SGD steps with momentum move fc by less than 6 * 0.05 * 1e-3 * (1/(1-0.9))
+    assert moved < 6 * 0.05 * 1e-3 * 10
+    with pytest.raises(ValueError, match="built for epochs of 3 steps"):
+        run(2)
+
+
+def test_bench_loop_cli_compares_the_training_step_and_ends_with_json():
+    out = run_module("loop", "--img-size", "32", "--batch-size", "4", "--steps", "1",
                      "--rounds", "2").stdout.strip().splitlines()
     last = json.loads(out[-1])
-    assert last["ours"] == "bare" and last["overhead_ratio"] > 0
+    assert last["ours"] == "train" and last["overhead_ratio"] > 0
     assert any(line.startswith("overhead_ratio") for line in out)
+    aa = json.loads(run_module("loop", "--ours", "bare", "--img-size", "32", "--batch-size", "4", "--steps", "1",
+                               "--rounds", "2").stdout.strip().splitlines()[-1])
+    assert aa["ours"] == "bare"
 
 
 # ---- 5. bench gpu ---------------------------------------------------------------------------------
