@@ -4,7 +4,9 @@ counts, the schedule, and two simulated machines on loopback.
 Every run trains `tinycnn` (no BatchNorm) on 80 embedded images for 2 epochs with the same seed.
 The sampler is seeded by (seed, epoch) and every image's augmentation by (seed, epoch, index), so
 2 processes x batch 8 see exactly the samples of 1 process x batch 16 at every optimizer step."""
+import json
 import math
+import os
 import subprocess
 import sys
 
@@ -33,19 +35,20 @@ def runs(tmp_path_factory):
     options = {**common, "batch_size": 8, "experiment_name": "two_machines"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *node, "--machine_rank", "1",
            "-m", "tutorial_lib.train", *as_flags(options)]
-    import os
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     machine1 = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out_machines = launch(options, launcher=[*node, "--machine_rank", "0"])
-    finally:
         rest, _ = machine1.communicate(timeout=240)
+    finally:
+        if machine1.poll() is None:  # machine 0 failed: do not leave machine 1 waiting at the rendezvous
+            machine1.kill()
+            machine1.communicate()
     assert machine1.returncode == 0, rest[-3000:]
     return {"tmp": tmp, "ddp_out": out, "single": single, "machines_out": out_machines}
 
 
 def final_metrics(run_dir):
-    import json
     return json.loads((run_dir / "final_metrics.json").read_text())
 
 
