@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from tutorial_lib.data import (IMAGENET_MEAN, IMAGENET_STD, CropParams, DataLayoutError, EncodedTransform,
                                EpochSeededSampler, FastTrainTransform, FastValTransform, UnreadableImageError,
-                               build_datasets, build_loaders, center_crop_params, classic_transforms,
+                               build_datasets, build_loaders, center_crop_params, classic_transforms, collate_images,
                                decode_batch_on_device, decode_rgb, embedded_data_path, find_split_dirs,
                                format_data_benchmark, jpeg_size, largest_dct_reduction, list_images, load_pil_rgb,
                                main, normalize_on_device, prepare_val, read_bytes, read_val_mapping,
@@ -512,6 +512,19 @@ def test_train_loader_order_depends_only_on_seed_and_epoch():
     assert labels.tolist() == val.targets and not val_loader.drop_last, "val: every image, in order"
 
 
+def test_fast_batches_arrive_channels_last_with_the_same_values():
+    train, val = build_datasets(embedded_data_path(), img_size=16)
+    samples = [val[k] for k in range(5)]
+    images, labels = collate_images(samples)
+    reference = torch.stack([x.contiguous() for x, _ in samples])
+    assert images.is_contiguous(memory_format=torch.channels_last) and torch.equal(images, reference)
+    assert labels.dtype == torch.int64 and labels.tolist() == [y for _, y in samples]
+    assert normalize_on_device(images).is_contiguous(), "channels_last=False gives a contiguous NCHW batch"
+    assert normalize_on_device(images, channels_last=True).is_contiguous(memory_format=torch.channels_last)
+    floats, _ = collate_images([(torch.rand(3, 4, 4), 0), (torch.rand(3, 4, 4), 1)])
+    assert floats.shape == (2, 3, 4, 4) and floats.is_contiguous()
+
+
 def test_loader_options_follow_the_worker_count():
     train, val = build_datasets(embedded_data_path(), img_size=8)
     loader, _ = build_loaders(train, val, batch_size=8, num_workers=2, prefetch_factor=3)
@@ -558,8 +571,10 @@ def test_run_data_benchmark_reports_the_four_rates(tmp_path):
     for k in range(4):
         save(photo_like(150, 200, seed=k), folder / f"{k}.JPEG")
     result = run_data_benchmark(folder, workers=0, img_size=64, batch_size=2, repeats=1, rounds=1)
+    with_worker = run_data_benchmark(folder, workers=1, img_size=64, batch_size=2, repeats=1, rounds=1)
+    assert with_worker["ours_train_ips"] > 0 and with_worker["workers"] == 1  # CPU time read from the worker
     for key in ["baseline_train_ips", "ours_train_ips", "baseline_val_ips", "ours_val_ips"]:
-        assert result[key] > 0
+        assert result[key] > 0 and result[key.replace("_ips", "_wall_ips")] > 0
     text = format_data_benchmark(result)
     assert json.loads(text.splitlines()[-1]) == result and "speed-up" in text
 
