@@ -213,7 +213,8 @@ def test_resumed_run_continues_the_same_wandb_run_with_monotonic_steps(tmp_path,
     run_id = stopped["wandb_run_id"]
     assert resumed["wandb_run_id"] == run_id and resumed["finished"]
     offline_runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*"))
-    assert offline_runs and {p.name.rsplit("-", 1)[1] for p in offline_runs} == {run_id}
+    # offline-run-<time>-<id>[-<n>]: W&B appends -1 when both runs start within the same second
+    assert offline_runs and {p.name.split("-")[3] for p in offline_runs} == {run_id}
     steps = [r["step"] for r in read_metrics(tmp_path / "wb" / "metrics.jsonl")]
     assert steps == [5, 10]
 
@@ -228,7 +229,8 @@ def test_onecycle_without_warmup_is_refused_with_the_flag_to_change():
 def test_gradient_clipping_bounds_every_optimizer_step(tmp_path):
     """Plain SGD (no momentum, no decay) with --max_grad_norm c moves the weights by at most lr x c per step."""
     plain = dict(batch_size=16, epochs=1, momentum=0.0, weight_decay=0.0, lr_scheduler="constant", learning_rate=0.05)
-    run(tmp_path, "init", **{**plain, "learning_rate": 0.0})  # lr 0: model.safetensors = the initial weights
+    # lr 1e-30 (0 is refused): every update is below float32 resolution, so model.safetensors = the initial weights
+    run(tmp_path, "init", **{**plain, "learning_rate": 1e-30})
     clipped = run(tmp_path, "clipped", **plain, max_grad_norm=1e-3, gradient_accumulation_steps=2)
     run(tmp_path, "free", **plain, gradient_accumulation_steps=2)
     init, w_clipped, w_free = weights(tmp_path / "init"), weights(tmp_path / "clipped"), weights(tmp_path / "free")
