@@ -1,0 +1,373 @@
+"""Reliability and security of `tutorial_lib.train` (issue 7, notebook 11).
+
+Every bad input is run through the real command line in its own process (forked from a server that
+imported the library once, so 20 cases cost seconds; two cases also through `python -m
+tutorial_lib.train`) and must exit 2 with exactly one line on stderr and no traceback. Also: safe
+loading (a planted pickle payload is refused and never runs), atomic checkpoints, the NaN/Inf guard,
+W&B without credentials or network, and a dying worker in a 2-process launch."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+
+from tutorial_lib.data import IMG_EXTENSIONS
+from tutorial_lib.stress import (as_flags, assert_user_error, child_env, corrupt_image, first_files_of_process,
+                                 make_image_folder, run_cli, sha256_file)
+from tutorial_lib.train import (MANIFEST, CheckpointError, incomplete_checkpoints, latest_checkpoint,
+                                list_checkpoints, verify_checkpoint)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(model="tinycnn", img_size=16, epochs=1, batch_size=4, learning_rate=0.05, num_workers=0, cpu=True,
+            log_with="none", disable_progress_bar=True, log_interval=0)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """3 classes x 8 training and 2 validation JPEGs of 16 px."""
+    return make_image_folder(tmp_path_factory.mktemp("data"), classes=3, train_per_class=8, val_per_class=2)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, data) -> Path:
+    """A completed tinycnn run with mid-epoch checkpoints (the source of the checkpoint cases)."""
+    work = tmp_path_factory.mktemp("runs")
+    done = run_cli(as_flags({**TINY, "epochs": 2, "checkpoint_every_steps": 2, "path_to_data": data,
+                             "working_directory": work, "experiment_name": "tiny"}))
+    assert done.returncode == 0, done.stderr
+    return work / "tiny"
+
+
+def cli(tmp_path, data, launcher="fork", **options):
+    flags = {**TINY, "path_to_data": data, "working_directory": tmp_path / "runs", "experiment_name": "bad", **options}
+    return run_cli(as_flags(flags), launcher=launcher, timeout=180)
+
+
+def copy_data(data: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(data, tmp_path / "data"))
+
+
+# --- bad inputs: exit 2, one line, no traceback --------------------------------------------------
+
+@pytest.mark.parametrize("flag, value, shown", [
+    ("learning_rate", 0, "0.0"), ("learning_rate", -0.1, "-0.1"), ("learning_rate", "nan", "nan"),
+])
+def test_non_positive_or_nan_learning_rate_is_refused(tmp_path, data, flag, value, shown):
+    assert_user_error(cli(tmp_path, data, **{flag: value}), f"--learning_rate must be a positive number, got {shown}")
+
+
+@pytest.mark.parametrize("flag, value", [("batch_size", 0), ("batch_size", -8), ("epochs", 0), ("epochs", -1),
+                                         ("gradient_accumulation_steps", 0)])
+def test_zero_or_negative_counts_are_refused(tmp_path, data, flag, value):
+    assert_user_error(cli(tmp_path, data, **{flag: value}), f"--{flag} must be >= 1, got {value}")
+
+
+def test_batch_larger_than_the_training_set_is_refused(tmp_path, data):
+    assert_user_error(cli(tmp_path, data, batch_size=64),
+                      "--batch_size 64: the training set has 24 images, fewer than batch_size=64: with drop_last=True "
+                      "there would be no batch; lower the batch size")
+
+
+def test_missing_data_path_is_refused(tmp_path, data):
+    missing = tmp_path / "nowhere"
+    assert_user_error(cli(tmp_path, missing), f"--path_to_data {missing} is not a folder; point it at a folder with "
+                                               "train/ and val/ sub-folders (ImageNet layout)")
+
+
+def test_empty_data_path_is_refused(tmp_path, data):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_user_error(cli(tmp_path, empty), f"--path_to_data: no train/ folder in {empty} (it holds: nothing); expected "
+                                             f"{empty}/train/<class>/*.JPEG and {empty}/val/<class>/*.JPEG")
+
+
+def test_empty_class_folder_is_refused(tmp_path, data):
+    root = copy_data(data, tmp_path)
+    for f in (root / "train" / "class_01").iterdir():
+        f.unlink()
+    extensions = "/".join(IMG_EXTENSIONS)  # the data module's list of image extensions
+    assert_user_error(cli(tmp_path, root), f"class folder {root}/train/class_01 has no images ({extensions}): add its "
+                                            "images or delete the empty folder")
+
+
+def test_train_val_class_mismatch_is_refused(tmp_path, data):
+    root = copy_data(data, tmp_path)
+    (root / "val" / "class_02").rename(root / "val" / "class_99")
+    assert_user_error(cli(tmp_path, root), f"{root}/train has 3 classes and {root}/val has 3; only in train: "
+                                            "['class_02'], only in val: ['class_99']: give both splits the same class folders (labels are "
+                                            "positions in the sorted list)")
+
+
+def test_num_classes_contradicting_the_data_is_refused(tmp_path, data):
+    assert_user_error(cli(tmp_path, data, num_classes=5),
+                      f"--num_classes 5 but {data} has 3 class folders; drop --num_classes to infer it")
+
+
+def test_unknown_model_is_refused(tmp_path, data):
+    n = len(torchvision.models.list_models(module=torchvision.models))
+    assert_user_error(cli(tmp_path, data, model="resnet51"),
+                      "--model 'resnet51' is not a torchvision classification model; use 'tinycnn' or one of e.g. "
+                      f"resnet18, resnet50, mobilenet_v3_small ({n} available)")
+
+
+@pytest.mark.parametrize("kind, reason", [
+    ("zero_byte", "not a recognised image format"),
+    ("truncated", "Image is incomplete or truncated"),
+    ("random_bytes", "not a recognised image format"),
+    ("not_an_image", "not a recognised image format"),
+])
+def test_unreadable_image_stops_with_its_name(tmp_path, data, kind, reason):
+    root = copy_data(data, tmp_path)
+    bad = corrupt_image(root / "train" / "class_00" / "0003.jpg", kind)
+    assert_user_error(cli(tmp_path, root), f"cannot decode image {bad}: {reason}; delete or replace the file, or "
+                                            "pass --on_bad_file skip")
+
+
+def test_unreadable_image_is_skipped_and_counted_with_on_bad_file_skip(tmp_path, data):
+    root = copy_data(data, tmp_path)
+    corrupt_image(root / "train" / "class_00" / "0003.jpg", "zero_byte")
+    done = cli(tmp_path, root, on_bad_file="skip")
+    assert done.returncode == 0, done.stderr
+    assert "skipped" in done.stderr and "0003.jpg" in done.stderr
+
+
+def test_resume_from_a_checkpoint_that_does_not_exist_is_refused(tmp_path, data):
+    missing = tmp_path / "runs" / "bad" / "checkpoints" / "step_000000999"
+    assert_user_error(cli(tmp_path, data, resume_from_checkpoint=missing),
+                      f"--resume_from_checkpoint {missing} does not exist; pass a folder like "
+                      f"{tmp_path}/runs/bad/checkpoints/step_000000100, or 'latest'")
+
+
+def test_resume_from_a_half_written_checkpoint_folder_is_refused(tmp_path, data, finished_run):
+    half = tmp_path / ".tmp-step_000000004"
+    shutil.copytree(latest_checkpoint(finished_run), half)
+    (half / MANIFEST).unlink()
+    assert_user_error(cli(tmp_path, data, resume_from_checkpoint=half),
+                      f"--resume_from_checkpoint {half} is not a complete checkpoint of this script (no checkpoint.json); "
+                      f"pass a folder like {tmp_path}/runs/bad/checkpoints/step_000000100, or 'latest'")
+
+
+def test_resume_from_another_models_checkpoint_is_refused(tmp_path, data, finished_run):
+    ckpt = latest_checkpoint(finished_run)
+    sig = json.loads((ckpt / MANIFEST).read_text())["model_signature"]
+    done = cli(tmp_path, data, model="resnet18", resume_from_checkpoint=ckpt)
+    from tutorial_lib.train import build_model, model_signature
+    other = model_signature(build_model("resnet18", 3))
+    assert_user_error(done, f"--resume_from_checkpoint {ckpt} belongs to another model (tinycnn, 3 classes, "
+                            f"signature {sig}; this run: resnet18, 3 classes, signature {other}); resume with the same "
+                            "--model and data, or start a new --experiment_name")
+
+
+def test_unwritable_working_directory_is_refused(tmp_path, data):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    assert_user_error(cli(tmp_path, data, working_directory=blocker),
+                      f"--working_directory {blocker} is not writable (Not a directory); choose a folder you can write to")
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root ignores folder permissions")
+def test_read_only_working_directory_is_refused(tmp_path, data):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        assert_user_error(cli(tmp_path, data, working_directory=locked),
+                          f"--working_directory {locked} is not writable (Permission denied); choose a folder you can "
+                          "write to")
+    finally:
+        locked.chmod(0o755)
+
+
+def test_python_m_entry_point_reports_user_errors_the_same_way(tmp_path, data):
+    """The fast (forked) runs above call the same `main` as `python -m tutorial_lib.train`."""
+    for options, message in [({"num_classes": 5}, f"--num_classes 5 but {data} has 3 class folders; drop --num_classes "
+                                                  "to infer it")]:
+        real = cli(tmp_path, data, launcher="python", **options)
+        assert_user_error(real, message)
+        forked = cli(tmp_path, data, **options)
+        assert (forked.returncode, forked.stderr_lines) == (real.returncode, real.stderr_lines)
+
+
+# --- safe loading: a planted pickle payload is refused and never runs -----------------------------
+
+class Payload:
+    """Unpickling this calls `open(marker, "w")`: the marker file proves the code ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def planted_run(tmp_path, finished_run, file_name: str, update_manifest: bool = True) -> tuple[Path, Path]:
+    """A copy of `finished_run` whose latest checkpoint file `file_name` carries a payload.
+
+    With `update_manifest` the attacker also rewrote checkpoint.json, so only the loader can stop it."""
+    run = Path(shutil.copytree(finished_run, tmp_path / "runs" / "bad"))
+    ckpt, marker = latest_checkpoint(run), tmp_path / "PAYLOAD_RAN"
+    torch.save({"state": {}, "param_groups": [], "payload": Payload(marker)}, ckpt / file_name)
+    if update_manifest:
+        manifest = json.loads((ckpt / MANIFEST).read_text())
+        manifest["files"][file_name] = {"bytes": (ckpt / file_name).stat().st_size, "sha256": sha256_file(ckpt / file_name)}
+        (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    return ckpt, marker
+
+
+@pytest.mark.parametrize("file_name", ["optimizer.bin", "random_states_0.pkl", "scheduler.bin"])
+def test_planted_pickle_payload_is_refused_and_never_runs(tmp_path, data, finished_run, file_name):
+    ckpt, marker = planted_run(tmp_path, finished_run, file_name)
+    done = cli(tmp_path, data, resume_from_checkpoint="latest")
+    assert_user_error(done, f"--resume_from_checkpoint {ckpt}: {file_name} holds more than tensors and numbers (it "
+                            "refers to io.open); torch.load(weights_only=True) refused it and nothing was run: only "
+                            "resume from checkpoints you wrote")
+    assert not marker.exists(), "the payload ran"
+    torch.load(ckpt / file_name, weights_only=False)  # what an unsafe loader would have done
+    assert marker.exists(), "the planted payload should be live (else this test proves nothing)"
+
+
+def test_extra_pickle_file_in_a_checkpoint_is_refused(tmp_path, data, finished_run):
+    """accelerate unpickles `custom_checkpoint_*.pkl` with weights_only=False: such a file must never be loaded."""
+    ckpt, marker = planted_run(tmp_path, finished_run, "custom_checkpoint_0.pkl", update_manifest=False)
+    assert_user_error(cli(tmp_path, data, resume_from_checkpoint="latest"),
+                      f"--resume_from_checkpoint {ckpt}: unexpected file custom_checkpoint_0.pkl (not written by this "
+                      "script); refusing to load it")
+    assert not marker.exists()
+
+
+def test_altered_checkpoint_file_is_detected_by_its_hash(tmp_path, data, finished_run):
+    run = Path(shutil.copytree(finished_run, tmp_path / "runs" / "bad"))
+    ckpt = latest_checkpoint(run)
+    blob = bytearray((ckpt / "model.safetensors").read_bytes())
+    blob[-1] ^= 0xFF  # one flipped bit in the weights
+    (ckpt / "model.safetensors").write_bytes(bytes(blob))
+    assert_user_error(cli(tmp_path, data, resume_from_checkpoint="latest"),
+                      f"--resume_from_checkpoint {ckpt}: model.safetensors is corrupt (its size or SHA-256 differs from "
+                      "checkpoint.json); resume from an older checkpoint")
+
+
+def test_no_checkpoint_file_is_unpickled_with_weights_only_false(finished_run):
+    """Every file of a checkpoint is safetensors, JSON, or loads with weights_only=True."""
+    ckpt = latest_checkpoint(finished_run)
+    manifest = verify_checkpoint(ckpt)  # raises if any pickle needs more than weights_only=True allows
+    names = sorted(manifest["files"])
+    assert names == ["model.safetensors", "optimizer.bin", "random_states_0.pkl", "scheduler.bin", "train_state.json"]
+    assert not any(name.startswith("custom_checkpoint") for name in os.listdir(ckpt))
+
+
+# --- atomic checkpoints ----------------------------------------------------------------------------
+
+def test_latest_ignores_half_written_checkpoints_with_a_warning(tmp_path, data, finished_run):
+    run = Path(shutil.copytree(finished_run, tmp_path / "runs" / "bad"))
+    good = latest_checkpoint(run)
+    step = int(good.name[5:])
+    tmp = run / "checkpoints" / f".tmp-step_{step + 2:09d}"  # a kill during `save_state`
+    shutil.copytree(good, tmp)
+    (tmp / MANIFEST).unlink()
+    (tmp / "optimizer.bin").unlink()
+    no_manifest = run / "checkpoints" / f"step_{step + 4:09d}"  # a folder without manifest
+    no_manifest.mkdir()
+    assert latest_checkpoint(run) == good and incomplete_checkpoints(run) == [tmp, no_manifest]
+    done = cli(tmp_path, data, epochs=3, checkpoint_every_steps=2, resume_from_checkpoint="latest")
+    assert done.returncode == 0, done.stderr
+    assert f"warning: ignoring incomplete checkpoint {tmp} (left by an interrupted save)" in done.stderr_lines
+    assert f"warning: ignoring incomplete checkpoint {no_manifest} (left by an interrupted save)" in done.stderr_lines
+    assert f"resumed from {good}:" in done.stdout
+    assert not tmp.exists(), "the next save should delete the leftover temporary folder"
+    assert all((p / MANIFEST).is_file() for p in list_checkpoints(run))
+
+
+# --- non-finite loss --------------------------------------------------------------------------------
+
+NAN_RUN = dict(epochs=2, checkpoint_every_steps=2, keep_last_checkpoints=10)
+
+
+def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path, data):
+    clean = cli(tmp_path, data, **NAN_RUN, experiment_name="clean")
+    assert clean.returncode == 0, clean.stderr
+    run = tmp_path / "runs" / "bad"
+    done = cli(tmp_path, data, **NAN_RUN, inject_nan_at_steps=[5])
+    assert_user_error(done, f"the loss became NaN or Inf at optimizer step 5 (epoch 0); training stopped and nothing "
+                            f"after it was saved. Last good checkpoint: {run}/checkpoints/step_000000004. Lower "
+                            "--learning_rate or set --max_grad_norm and resume with --resume_from_checkpoint latest, "
+                            "or pass --on_nonfinite_loss skip to skip such steps", code=3)
+    assert [p.name for p in list_checkpoints(run)] == ["step_000000002", "step_000000004"]
+    good = run / "checkpoints" / "step_000000004"
+    verify_checkpoint(good)  # complete and unaltered
+    assert sha256_file(good / "model.safetensors") == \
+        sha256_file(tmp_path / "runs" / "clean" / "checkpoints" / "step_000000004" / "model.safetensors")
+    resumed = cli(tmp_path, data, **NAN_RUN, resume_from_checkpoint="latest")
+    assert resumed.returncode == 0, resumed.stderr
+    assert sha256_file(run / "model.safetensors") == sha256_file(tmp_path / "runs" / "clean" / "model.safetensors")
+
+
+def test_nan_loss_step_is_skipped_and_counted_with_on_nonfinite_loss_skip(tmp_path, data):
+    done = cli(tmp_path, data, **NAN_RUN, inject_nan_at_steps=[3, 8], on_nonfinite_loss="skip")
+    assert done.returncode == 0, done.stderr
+    assert "warning: non-finite loss at optimizer step 3: step skipped (1 so far)" in done.stderr_lines
+    assert "warning: non-finite loss at optimizer step 8: step skipped (2 so far)" in done.stderr_lines
+    final = json.loads((tmp_path / "runs" / "bad" / "final_metrics.json").read_text())
+    assert final["nonfinite_skipped"] == 2 and final["optimizer_steps"] == 12
+    from safetensors.torch import load_file
+    assert all(torch.isfinite(t).all() for t in load_file(tmp_path / "runs" / "bad" / "model.safetensors").values())
+
+
+def test_skipping_stops_when_every_step_is_non_finite(tmp_path, data):
+    done = cli(tmp_path, data, **NAN_RUN, inject_nan_at_steps=list(range(1, 13)), on_nonfinite_loss="skip")
+    assert done.returncode == 3 and not done.has_traceback
+    assert done.stderr_lines[-1] == (
+        "tutorial-train: error: the loss was NaN or Inf at 10 optimizer steps in a row (up to step 10): skipping does "
+        "not help, the run diverged; lower --learning_rate or set --max_grad_norm and resume from an earlier checkpoint")
+
+
+# --- no network ---------------------------------------------------------------------------------
+
+def test_wandb_without_credentials_logs_offline_says_so_and_does_not_delay_startup(tmp_path, data):
+    home = tmp_path / "home"  # no ~/.netrc, no key in the environment; any network call would go nowhere
+    env = child_env(HOME=str(home), WANDB_MODE=None, WANDB_API_KEY=None, WANDB_BASE_URL="http://127.0.0.1:9",
+                    HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9")
+    home.mkdir()
+    flags = {**TINY, "path_to_data": data, "working_directory": tmp_path / "runs"}
+    local = run_cli(as_flags({**flags, "experiment_name": "local", "log_with": "none"}), env=env)
+    online = run_cli(as_flags({**flags, "experiment_name": "wb", "log_with": "wandb"}), env=env, timeout=120)
+    assert local.returncode == 0 and online.returncode == 0, online.stderr[-3000:]
+    run = tmp_path / "runs" / "wb"
+    assert (f"W&B: no API key found (WANDB_API_KEY or `wandb login`), logging offline to {run / 'wandb'}; metrics.jsonl "
+            f"has every epoch; upload later with `wandb sync {run / 'wandb'}/offline-run-*`") in online.stdout
+    assert list((run / "wandb").glob("offline-run-*")), "no offline W&B run was written"
+    assert online.seconds - local.seconds < 5, f"W&B offline added {online.seconds - local.seconds:.1f} s"
+
+
+def test_log_with_none_logs_locally_only(tmp_path, data):
+    done = cli(tmp_path, data, log_with="none", epochs=2)
+    run = tmp_path / "runs" / "bad"
+    assert done.returncode == 0, done.stderr
+    assert not (run / "wandb").exists() and "W&B" not in done.stdout
+    assert [r["epoch"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [0, 1]
+
+
+# --- a dying worker ---------------------------------------------------------------------------------
+
+def test_one_failing_process_ends_the_whole_two_process_launch_quickly(tmp_path, data):
+    """Process 1 meets a corrupt image in its first batch while process 0 waits for it in the all-reduce."""
+    root = copy_data(data, tmp_path)
+    victim = first_files_of_process(root, batch_size=4, process_index=1, num_processes=2)[0]
+    corrupt_image(victim, "not_an_image")
+    assert victim not in first_files_of_process(root, batch_size=4, process_index=0, num_processes=2)
+    from tutorial_lib.core import free_port
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--main_process_port", str(free_port()), "-m", "tutorial_lib.train",
+           *as_flags({**TINY, "path_to_data": root, "working_directory": tmp_path / "runs", "experiment_name": "ddp"})]
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240)
+    seconds = time.perf_counter() - start
+    assert done.returncode != 0, "the launch should fail"
+    assert seconds < 120, f"the launch took {seconds:.0f} s to give up"
+    assert (f"tutorial-train: error (process 1): cannot decode image {victim}: not a recognised image format; delete or "
+            "replace the file, or pass --on_bad_file skip") in done.stderr

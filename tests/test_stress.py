@@ -1,0 +1,72 @@
+"""tutorial_lib.stress: the kill-anywhere resume harness and its helpers (notebook 11).
+
+The CI version of the stress run: 2 trials, forked runs (the same `main` as `python -m
+tutorial_lib.train`, without 5 s of imports per run). The full 10-trial run with
+`python -m tutorial_lib.train` per run is `python -m tutorial_lib.stress resume --trials 10`."""
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+from accelerate.data_loader import BatchSamplerShard
+from torch.utils.data import BatchSampler
+
+from tutorial_lib.data import EpochSeededSampler, UnreadableImageError, build_datasets
+from tutorial_lib.stress import (BAD_FILE_KINDS, CliResult, KillPlan, assert_user_error, child_env, corrupt_image,
+                                 draw_kill_plan, first_files_of_process, make_image_folder, stress_resume)
+
+
+def test_two_stress_trials_end_bitwise_identical_within_a_minute(tmp_path):
+    start = time.perf_counter()
+    results = stress_resume(trials=2, seed=0, workdir=tmp_path, kills_per_trial=3, launcher="fork")
+    seconds = time.perf_counter() - start
+    assert all(r.passed for r in results), [r.summary() for r in results]
+    kills = [k for r in results for k in r.kills if k.killed]
+    assert len(kills) >= 2, [k.describe() for r in results for k in r.kills]
+    assert any(r.runs > 1 and r.resumed_from for r in results), "no trial was resumed from a checkpoint"
+    assert seconds < 60, f"the CI stress run took {seconds:.0f} s"
+
+
+def test_kill_plans_are_seeded():
+    plans = [draw_kill_plan(random.Random(f"stress-0-{t}"), 18, 2.0) for t in range(5)]
+    again = [draw_kill_plan(random.Random(f"stress-0-{t}"), 18, 2.0) for t in range(5)]
+    assert plans == again
+    assert all(p.kind in ("during_save", "after_save", "random_time", "final_save") and 1 <= p.nth <= 18 for p in plans)
+    assert KillPlan("during_save", nth=3, files=2).describe() == "during save #3 (after 2 file(s))"
+
+
+@pytest.mark.parametrize("kind", BAD_FILE_KINDS)
+def test_corrupted_images_cannot_be_decoded(tmp_path, kind):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=3, val_per_class=1)
+    bad = corrupt_image(root / "train" / "class_00" / "0001.jpg", kind)
+    train_ds, _ = build_datasets(root, img_size=16)
+    index = [path for path, _ in train_ds.samples].index(str(bad))
+    with pytest.raises(UnreadableImageError, match="0001.jpg"):
+        train_ds[index]
+
+
+def test_first_files_of_process_are_what_accelerate_hands_that_process(tmp_path):
+    root = make_image_folder(tmp_path / "data", classes=3, train_per_class=8, val_per_class=1)
+    train_ds, _ = build_datasets(root, img_size=16)
+    for rank in range(2):  # a fresh sampler each: iterating it advances its epoch
+        batches = BatchSampler(EpochSeededSampler(len(train_ds), seed=0), batch_size=4, drop_last=True)
+        first = next(iter(BatchSamplerShard(batches, num_processes=2, process_index=rank)))
+        assert first_files_of_process(root, 4, rank, 2) == [train_ds.samples[i][0] for i in first]
+
+
+def test_assert_user_error_rejects_tracebacks_extra_lines_and_wrong_codes():
+    good = CliResult(2, "", "tutorial-train: error: --epochs must be >= 1, got 0\n", 0.1)
+    assert_user_error(good, "--epochs must be >= 1, got 0")
+    for bad in [CliResult(1, "", good.stderr, 0.1), CliResult(2, "", "Traceback (most recent call last):\n" + good.stderr, 0.1),
+                CliResult(2, "", "a warning\n" + good.stderr, 0.1)]:
+        with pytest.raises(AssertionError):
+            assert_user_error(bad, "--epochs must be >= 1, got 0")
+
+
+def test_stress_command_line_refuses_bad_counts():
+    done = subprocess.run([sys.executable, "-m", "tutorial_lib.stress", "resume", "--trials", "0"], capture_output=True,
+                          text=True, env=child_env(), timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("python -m tutorial_lib.stress: error: --trials and --epochs must be >= 1, "
+                                   "--kills_per_trial >= 0")
