@@ -11,3 +11,22 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 # Two cores: keep each process (and each xdist worker) from oversubscribing them.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+import sys
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Reset accelerate's process-wide singletons after every test.
+
+    `Accelerator()` stores its state (device, world size) in singletons that outlive it. A test that
+    builds one leaves a 1-process state behind in the pytest worker; processes that a later test
+    forks with `debug_launcher` would inherit it and run unconnected instead of as a 2-process group."""
+    yield
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+        state.GradientState._reset_state()
