@@ -325,3 +325,51 @@ def test_bench_data_delegates_to_07_and_ends_with_a_json_line(jpeg_folder):
     last = json.loads(out[-1])
     assert {"baseline_train_ips", "ours_train_ips", "baseline_val_ips", "ours_val_ips"} <= set(last)
     assert any(line.startswith("train") for line in out) and any(line.startswith("val") for line in out)
+
+
+# ---- 6. helpers of the fast-recipe switches ---------------------------------------------------------
+
+def test_progressive_resolution_follows_ffcvs_schedule():
+    from tutorial_lib.bench import progressive_resolution
+    schedule = [progressive_resolution(e, 160, 192, end_ramp=76, start_ramp=65) for e in range(88)]
+    assert schedule[:66] == [160] * 66 and schedule[76:] == [192] * 12
+    assert all(a <= b for a, b in zip(schedule, schedule[1:])) and set(schedule) == {160, 192}
+    ramp = [progressive_resolution(e, 16, 48, end_ramp=4, step=8) for e in range(6)]
+    assert ramp == [16, 24, 32, 40, 48, 48]
+    assert progressive_resolution(3, 20, 30, end_ramp=4, step=32) in range(20, 31), "clamped to [min_res, max_res]"
+    with pytest.raises(ValueError, match="min_res"):
+        progressive_resolution(0, 64, 32, end_ramp=3)
+    with pytest.raises(ValueError, match="start_ramp"):
+        progressive_resolution(0, 32, 64, end_ramp=1, start_ramp=2)
+
+
+def test_resize_batch_changes_the_size_keeps_the_layout_and_skips_same_size():
+    from tutorial_lib.bench import resize_batch
+    x = torch.rand(2, 3, 32, 32).contiguous(memory_format=torch.channels_last)
+    y = resize_batch(x, 16)
+    assert y.shape == (2, 3, 16, 16) and y.is_contiguous(memory_format=torch.channels_last)
+    assert torch.allclose(y.mean(), x.mean(), atol=0.02), "an antialiased resize keeps the mean brightness"
+    assert resize_batch(x, 32) is x
+    assert resize_batch(torch.rand(2, 3, 8, 8), 4).is_contiguous()
+
+
+def test_make_ema_averages_weights_and_batchnorm_buffers_and_sees_through_compile():
+    from tutorial_lib.bench import make_ema
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
+                              torch.nn.LazyLinear(2))
+    x, y = 2 + torch.randn(8, 3, 6, 6), torch.randint(0, 2, (8,))
+    net(x)  # materialise the lazy layer
+    ema = make_ema(torch.compile(net, backend="eager"), decay=0.5)
+    assert type(ema.module) is torch.nn.Sequential, "the EMA holds the plain module"
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    expected = None
+    for _ in range(3):
+        torch.nn.functional.cross_entropy(net(x), y).backward(); opt.step(); opt.zero_grad()
+        ema.update_parameters(net)
+        w = net[0].weight.detach().clone()
+        expected = w if expected is None else 0.5 * expected + 0.5 * w
+    assert torch.allclose(ema.module[0].weight, expected, atol=1e-6)
+    assert not torch.allclose(ema.module[1].running_mean, net[1].running_mean), "buffers are averaged, not copied"
+    with pytest.raises(ValueError, match="decay"):
+        make_ema(net, decay=1.0)
