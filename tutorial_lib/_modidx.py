@@ -444,6 +444,9 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                 'tutorial_lib/train.py'),
                                     'tutorial_lib.train.save_checkpoint': ('training_script.html#save_checkpoint', 'tutorial_lib/train.py'),
                                     'tutorial_lib.train.train': ('training_script.html#train', 'tutorial_lib/train.py'),
+                                    'tutorial_lib.train.train_crop_size': ('training_script.html#train_crop_size', 'tutorial_lib/train.py'),
                                     'tutorial_lib.train.train_one_epoch': ('training_script.html#train_one_epoch', 'tutorial_lib/train.py'),
+                                    'tutorial_lib.train.train_resolution': ( 'training_script.html#train_resolution',
+                                                                             'tutorial_lib/train.py'),
                                     'tutorial_lib.train.verify_checkpoint': ( 'training_script.html#verify_checkpoint',
                                                                               'tutorial_lib/train.py')}}}
