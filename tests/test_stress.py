@@ -29,8 +29,8 @@ def test_two_stress_trials_end_bitwise_identical_within_a_minute(tmp_path):
 
 
 def test_kill_plans_are_seeded():
-    plans = [draw_kill_plan(random.Random(f"stress-0-{t}"), 18, 2.0) for t in range(5)]
-    again = [draw_kill_plan(random.Random(f"stress-0-{t}"), 18, 2.0) for t in range(5)]
+    plans = [draw_kill_plan(random.Random(t), 18, 2.0) for t in range(5)]
+    again = [draw_kill_plan(random.Random(t), 18, 2.0) for t in range(5)]
     assert plans == again
     assert all(p.kind in ("during_save", "after_save", "random_time", "final_save") and 1 <= p.nth <= 18 for p in plans)
     assert KillPlan("during_save", nth=3, files=2).describe() == "during save #3 (after 2 file(s))"
