@@ -207,7 +207,7 @@ class Payload:
 
 
 def planted_run(tmp_path, finished_run, file_name: str, update_manifest: bool = True) -> tuple[Path, Path]:
-    """A copy of `finished_run` whose latest checkpoint file `file_name` carries a payload.
+    """A copy of `finished_run` (as run "bad") whose latest checkpoint file `file_name` carries a payload.
 
     With `update_manifest` the attacker also rewrote checkpoint.json, so only the loader can stop it."""
     run = Path(shutil.copytree(finished_run, tmp_path / "runs" / "bad"))
@@ -230,6 +230,19 @@ def test_planted_pickle_payload_is_refused_and_never_runs(tmp_path, data, finish
     assert not marker.exists(), "the payload ran"
     torch.load(ckpt / file_name, weights_only=False)  # what an unsafe loader would have done
     assert marker.exists(), "the planted payload should be live (else this test proves nothing)"
+
+
+def test_planted_payload_in_the_ema_state_is_refused(tmp_path, data):
+    """--ema registers the averaged model with accelerate, which unpickles it with weights_only=False:
+    verify_checkpoint must have refused a payload there before accelerate reads it."""
+    done = cli(tmp_path, data, ema=True, checkpoint_every_steps=2, experiment_name="ema")
+    assert done.returncode == 0, done.stderr
+    ckpt, marker = planted_run(tmp_path, tmp_path / "runs" / "ema", "custom_checkpoint_0.pkl")
+    assert_user_error(cli(tmp_path, data, ema=True, resume_from_checkpoint="latest"),
+                      f"--resume_from_checkpoint {ckpt}: custom_checkpoint_0.pkl holds more than tensors and numbers "
+                      "(it refers to io.open); torch.load(weights_only=True) refused it and nothing was run: only "
+                      "resume from checkpoints you wrote")
+    assert not marker.exists(), "the payload ran"
 
 
 def test_extra_pickle_file_in_a_checkpoint_is_refused(tmp_path, data, finished_run):
