@@ -205,9 +205,12 @@ def test_our_step_runs_the_training_scripts_epoch_with_its_scheduler_and_clippin
     model = torchvision.models.resnet18(num_classes=5)
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 5, (4,))
     w0 = model.fc.weight.detach().clone()
+    shapes = []
+    model.register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape)))
     run = make_our_step(model, x, y, steps=3, num_classes=5, lr=0.05, max_grad_norm=1e-3)
     run(3)
     run(3)
+    assert shapes == [(4, 3, 32, 32)] * 6, "the training step sees the batch as it is (no resize, same size)"
     moved = (model.fc.weight - w0).norm().item()
     assert moved > 0, "train_one_epoch must update the weights"
     # clipping to a norm of 1e-3 bounds every step: 6 SGD steps with momentum move fc by less than 6 * 0.05 * 1e-3 * (1/(1-0.9))
