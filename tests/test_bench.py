@@ -1,5 +1,8 @@
 """Tests of tutorial_lib.bench (notebook 10): MFU arithmetic, honest timing, step-time accounting,
-the loop-overhead harness, and the GPU benchmark's code path on CPU (and its refusal without CUDA)."""
+the loop-overhead harness, and the GPU benchmark's code path on CPU (and its refusal without CUDA).
+The measuring tools and fast-recipe helpers that the training script uses (StepTimer, MFU, FLOP count,
+peak table, progressive_resolution, resize_batch, make_ema) are exported by notebook 08 (tutorial_lib.train);
+notebook 10 measures with them, so their tests import them from there."""
 import json
 import math
 import os
@@ -13,12 +16,11 @@ import pytest
 import torch
 import torchvision
 
-from tutorial_lib.bench import (DRY_RUN, RepeatDataset, StepTimer, alternate, build_synthetic_run, format_gpu_table,
-                                jpeg_batches, jpeg_files_and_labels, linked_image_folder, main, make_bare_step,
-                                measure_steps, median_throughput, mfu, overhead_ratio, peak_flops_for,
-                                peak_memory_bytes, run_gpu_benchmark, run_loop_benchmark, time_windows,
-                                training_flops_per_image)
+from tutorial_lib.bench import (DRY_RUN, RepeatDataset, alternate, build_synthetic_run, format_gpu_table, jpeg_batches,
+                                jpeg_files_and_labels, linked_image_folder, main, make_bare_step, measure_steps,
+                                median_throughput, overhead_ratio, run_gpu_benchmark, run_loop_benchmark, time_windows)
 from tutorial_lib.core import count_training_flops
+from tutorial_lib.train import StepTimer, mfu, peak_flops_for, peak_memory_bytes, training_flops_per_image
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -333,7 +335,7 @@ def test_bench_data_delegates_to_07_and_ends_with_a_json_line(jpeg_folder):
 # ---- 6. helpers of the fast-recipe switches ---------------------------------------------------------
 
 def test_progressive_resolution_follows_ffcvs_schedule():
-    from tutorial_lib.bench import progressive_resolution
+    from tutorial_lib.train import progressive_resolution
     schedule = [progressive_resolution(e, 160, 192, end_ramp=76, start_ramp=65) for e in range(88)]
     assert schedule[:66] == [160] * 66 and schedule[76:] == [192] * 12
     assert all(a <= b for a, b in zip(schedule, schedule[1:])) and set(schedule) == {160, 192}
@@ -347,7 +349,7 @@ def test_progressive_resolution_follows_ffcvs_schedule():
 
 
 def test_resize_batch_changes_the_size_keeps_the_layout_and_skips_same_size():
-    from tutorial_lib.bench import resize_batch
+    from tutorial_lib.train import resize_batch
     x = torch.rand(2, 3, 32, 32).contiguous(memory_format=torch.channels_last)
     y = resize_batch(x, 16)
     assert y.shape == (2, 3, 16, 16) and y.is_contiguous(memory_format=torch.channels_last)
@@ -357,7 +359,7 @@ def test_resize_batch_changes_the_size_keeps_the_layout_and_skips_same_size():
 
 
 def test_make_ema_averages_weights_and_batchnorm_buffers_and_sees_through_compile():
-    from tutorial_lib.bench import make_ema
+    from tutorial_lib.train import make_ema
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
                               torch.nn.LazyLinear(2))

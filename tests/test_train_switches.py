@@ -1,4 +1,5 @@
-"""The training script's fast-recipe switches and step-time accounting (issue 6, taught in notebook 10).
+"""The training script's fast-recipe switches and step-time accounting (issue 6; the helpers are exported
+by notebook 08, section 5, and measured in notebook 10).
 
 Each switch is off by default, runs on CPU, and changes what it should; every epoch's row in
 metrics.jsonl carries the StepTimer numbers."""
@@ -9,7 +10,7 @@ import torch
 
 from tutorial_lib import train as T
 from tutorial_lib.accel import read_metrics
-from tutorial_lib.bench import progressive_resolution, training_flops_per_image
+from tutorial_lib.train import progressive_resolution, training_flops_per_image
 
 BASE = dict(model="tinycnn", img_size=16, epochs=2, batch_size=16, num_workers=0, cpu=True, log_with="none",
             disable_progress_bar=True, max_train_samples=64, max_val_samples=32, learning_rate=0.05,
