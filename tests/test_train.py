@@ -4,6 +4,7 @@ The multi-process proofs (DDP, exact metric counts, schedule on 2 processes, sim
 are in test_train_distributed.py."""
 import json
 import math
+from pathlib import Path
 import subprocess
 import sys
 
@@ -52,6 +53,18 @@ def test_module_entry_point_prints_help():
                           cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "usage: tutorial-train" in done.stdout
+
+
+def test_console_script_exits_0_after_a_successful_run(tmp_path):
+    # setuptools' wrapper does `sys.exit(main())`: anything main() returned would become the exit status.
+    exe = Path(sys.executable).with_name("tutorial-train")
+    argv = [str(exe), "--model", "tinycnn", "--img_size", "16", "--epochs", "1", "--batch_size", "16",
+            "--max_train_samples", "32", "--max_val_samples", "16", "--num_workers", "0", "--cpu",
+            "--log_with", "none", "--disable_progress_bar", "--working_directory", str(tmp_path),
+            "--experiment_name", "console"]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "console" / "model.safetensors").exists()
 
 
 def test_bad_options_are_refused_with_a_message_naming_the_flag(tmp_path):

@@ -1058,7 +1058,7 @@ def train(args: argparse.Namespace) -> dict:
         atomic_write_text(run_dir / "final_metrics.json", json.dumps(final, indent=2))
     return final
 
-# %% ../notebooks/08_training_script.ipynb #c1dd18d5
+# %% ../notebooks/08_training_script.ipynb #ea081184
 RECIPE_V1 = dict(model="resnet50", epochs=90, batch_size=32, learning_rate=0.1, momentum=0.9, weight_decay=1e-4,
                  lr_scheduler="step", lr_step_size=30, step_lr_decay=0.1, img_size=224, label_smoothing=0.0)
 
@@ -1179,14 +1179,16 @@ def error_line(err: BaseException) -> str:
     return text.replace("build the datasets with on_bad_file='skip'", "pass --on_bad_file skip")
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> None:
     """Entry point of `tutorial-train` and `python -m tutorial_lib.train`.
 
-    A user error (bad flag, data, checkpoint) prints one line `tutorial-train: error: ...` on stderr and
-    exits 2, a NaN/Inf loss exits 3; no traceback for either (11). Bugs keep their traceback."""
+    Returns nothing: the console script exits with `sys.exit(main())`, so a returned value would become
+    the exit status (call `train(args)` for the metrics). A user error (bad flag, data, checkpoint)
+    prints one line `tutorial-train: error: ...` on stderr and exits 2, a NaN/Inf loss exits 3; no
+    traceback for either (11). Bugs keep their traceback."""
     args = get_args_parser().parse_args(argv)
     try:
-        return train(args)
+        train(args)
     except (NonFiniteLossError, *USER_ERRORS) as err:
         rank = os.environ.get("RANK")
         where = f" (process {rank})" if rank not in (None, "0") else ""
