@@ -4,7 +4,6 @@ The measuring tools and fast-recipe helpers that the training script uses (StepT
 peak table, progressive_resolution, resize_batch, make_ema) are exported by notebook 08 (tutorial_lib.train);
 notebook 10 measures with them, so their tests import them from there."""
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -17,7 +16,7 @@ import torch
 import torchvision
 
 from tutorial_lib.bench import (DRY_RUN, RepeatDataset, alternate, build_synthetic_run, format_gpu_table, jpeg_batches,
-                                jpeg_files_and_labels, linked_image_folder, main, make_bare_step, measure_steps,
+                                jpeg_files_and_labels, linked_image_folder, make_bare_step, measure_steps,
                                 median_throughput, overhead_ratio, run_gpu_benchmark, run_loop_benchmark, time_windows)
 from tutorial_lib.core import count_training_flops
 from tutorial_lib.train import StepTimer, mfu, peak_flops_for, peak_memory_bytes, training_flops_per_image

@@ -3,10 +3,7 @@
 Everything runs on images generated in tmp_path, on the embedded dataset, or on the five real ImageNet
 JPEGs committed in tests/assets/imagenet; only the last test reads /work/shared (and skips without it)."""
 import hashlib
-import io
 import json
-import math
-import os
 import random
 import subprocess
 import sys

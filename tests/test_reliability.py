@@ -20,7 +20,7 @@ import torchvision
 from tutorial_lib.data import IMG_EXTENSIONS
 from tutorial_lib.stress import (as_flags, assert_user_error, child_env, corrupt_image, first_files_of_process,
                                  make_image_folder, run_cli, sha256_file)
-from tutorial_lib.train import (MANIFEST, CheckpointError, incomplete_checkpoints, latest_checkpoint,
+from tutorial_lib.train import (MANIFEST, incomplete_checkpoints, latest_checkpoint,
                                 list_checkpoints, verify_checkpoint)
 
 ROOT = Path(__file__).resolve().parents[1]
