@@ -1,7 +1,7 @@
 """tutorial_lib.data (notebook 07): layout checks, fast vs classic pipelines, bad inputs, prepare-val, loaders.
 
 Everything runs on images generated in tmp_path, on the embedded dataset, or on the five real ImageNet
-JPEGs committed in tests/assets/imagenet; only the last test reads /work/shared (and skips without it)."""
+JPEGs committed in tests/assets/imagenet; only the last test reads ../shared beside the project root (and skips without it)."""
 import hashlib
 import json
 import random
@@ -20,14 +20,14 @@ from torch.utils.data import DataLoader
 from tutorial_lib.data import (IMAGENET_MEAN, IMAGENET_STD, CropParams, DataLayoutError, EncodedTransform,
                                EpochSeededSampler, FastTrainTransform, FastValTransform, UnreadableImageError,
                                build_datasets, build_loaders, center_crop_params, classic_transforms, collate_images,
-                               decode_batch_on_device, decode_rgb, embedded_data_path, find_split_dirs,
+                               decode_batch_on_device, decode_jpegs_on_cuda, decode_rgb, embedded_data_path, find_split_dirs,
                                format_data_benchmark, jpeg_size, largest_dct_reduction, list_images, load_pil_rgb,
                                main, normalize_on_device, prepare_val, read_bytes, read_val_mapping,
                                resized_crop_uint8, run_data_benchmark, sample_crop, scan_image_folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT / "tests" / "assets" / "imagenet"
-IMAGENET_SAMPLE = Path("/work/shared/data/imagenet-sample-100")
+IMAGENET_SAMPLE = ROOT.parent / "shared" / "data" / "imagenet-sample-100"  # beside the project root
 ONE_LEVEL = 1 / 255 / min(IMAGENET_STD)  # one uint8 step after normalisation
 
 
@@ -584,6 +584,46 @@ def test_gpu_pipeline_yields_bytes_and_decodes_like_the_fast_pipeline():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="needs CUDA"):
             decode_batch_on_device(encoded, img_size=32, train=True, device="cuda")
+
+
+
+def test_nvjpeg_decode_drains_the_callers_stream_before_decoding(monkeypatch):
+    """pytorch/vision#9606: nvJPEG may overwrite memory that kernels queued on the caller's stream still
+    read, so the current stream must be synchronized before `decode_jpeg(device="cuda")` is called.
+    No GPU here: the stream and the decoder are stand-ins that record the order of the calls."""
+    import torchvision.io
+
+    calls = []
+
+    class RecordingStream:
+        def synchronize(self):
+            calls.append("synchronize")
+
+    cpu_decode = torchvision.io.decode_jpeg
+
+    def recording_decode(data, *args, device="cpu", **kwargs):
+        if str(device) != "cuda":  # decode_rgb's own CPU decodes pass through
+            return cpu_decode(data, *args, **kwargs)
+        calls.append(("decode", len(data), str(device)))
+        return [cpu_decode(x, *args, **kwargs) for x in data]
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: RecordingStream())
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", recording_decode)
+    train, val = build_datasets(embedded_data_path(), img_size=32, pipeline="gpu")
+    encoded = [val[k][0] for k in range(3)]
+    decoded = decode_jpegs_on_cuda(encoded, torch.device("cuda"))
+    assert calls == ["synchronize", ("decode", 3, "cuda")]
+    assert all(torch.equal(d, decode_rgb(x)) for d, x in zip(decoded, encoded))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (nvJPEG)")
+def test_nvjpeg_batch_matches_the_cpu_decode_on_a_gpu():
+    train, val = build_datasets(embedded_data_path(), img_size=32, pipeline="gpu")
+    encoded = [val[k][0] for k in range(16)]
+    on_gpu = decode_batch_on_device(encoded, img_size=32, train=False, device="cuda").cpu()
+    on_cpu = decode_batch_on_device(encoded, img_size=32, train=False, device="cpu")
+    # nvJPEG's IDCT and upsampling differ from libjpeg-turbo's by a level or two, not more
+    assert on_gpu.shape == on_cpu.shape and (on_gpu.float() - on_cpu.float()).abs().mean() < 2.0
 
 
 # ---------------------------------------------------------------- benchmark

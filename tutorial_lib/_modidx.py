@@ -205,6 +205,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'tutorial_lib.data.collate_images': ('data_pipeline.html#collate_images', 'tutorial_lib/data.py'),
                                    'tutorial_lib.data.decode_batch_on_device': ( 'data_pipeline.html#decode_batch_on_device',
                                                                                  'tutorial_lib/data.py'),
+                                   'tutorial_lib.data.decode_jpegs_on_cuda': ( 'data_pipeline.html#decode_jpegs_on_cuda',
+                                                                               'tutorial_lib/data.py'),
                                    'tutorial_lib.data.decode_rgb': ('data_pipeline.html#decode_rgb', 'tutorial_lib/data.py'),
                                    'tutorial_lib.data.embedded_data_path': ( 'data_pipeline.html#embedded_data_path',
                                                                              'tutorial_lib/data.py'),

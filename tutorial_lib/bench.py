@@ -276,7 +276,7 @@ def measure_steps(step: Callable[[], object], device: torch.device, batch_size: 
     return {"images_per_sec": ips, "step_ms": 1e3 * batch_size / ips, "warmup_s": warmup_s,
             "window_s": secs, "peak_memory_gb": peak_memory_bytes(device) / 2**30}
 
-# %% ../notebooks/10_performance.ipynb #20efcb4c
+# %% ../notebooks/10_performance.ipynb #970a11b7
 class RepeatDataset(torch.utils.data.Dataset):
     """`dataset` repeated to `length` samples (index modulo its length): a small folder as a long epoch.
 
@@ -345,9 +345,7 @@ def decode_on_side_stream(items: list[torch.Tensor], img_size: int, device: torc
         return decode_batch_on_device(items, img_size, train=True, device=device)
     main = torch.cuda.current_stream(device)
     stream = stream or main
-    # pytorch/vision#9606: nvJPEG writes without waiting for work queued on the allocating stream.
-    stream.synchronize()
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream):  # decode_batch_on_device drains `stream` before nvJPEG writes (07)
         batch = decode_batch_on_device(items, img_size, train=True, device=device)
     if stream is not main:
         main.wait_stream(stream)   # the training stream waits for the decoded batch ...

@@ -35,7 +35,8 @@ __all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'IMG_EXTENSIONS', 'VAL_DIR_NAMES', '
            'resized_crop_uint8', 'FastTrainTransform', 'FastValTransform', 'normalize_on_device', 'ImageFolderDataset',
            'build_datasets', 'EpochSeededSampler', 'stack_images', 'collate_images', 'build_loaders', 'list_images',
            'benchmark_pipelines', 'run_data_benchmark', 'format_data_benchmark', 'print_data_benchmark',
-           'EncodedTransform', 'collate_encoded', 'decode_batch_on_device', 'get_args_parser', 'main']
+           'EncodedTransform', 'collate_encoded', 'decode_jpegs_on_cuda', 'decode_batch_on_device', 'get_args_parser',
+           'main']
 
 # %% ../notebooks/07_data_pipeline.ipynb #16adf964
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -809,7 +810,7 @@ def print_data_benchmark(result: dict) -> None:
     """Print `format_data_benchmark(result)`."""
     print(format_data_benchmark(result))
 
-# %% ../notebooks/07_data_pipeline.ipynb #9cf0b9af
+# %% ../notebooks/07_data_pipeline.ipynb #2473abd7
 def _jpeg_complete(data: Tensor) -> bool:
     """A JPEG whose header parses and whose end-of-image marker is present (not truncated)."""
     tail = bytes(data[-1024:].tolist())
@@ -832,21 +833,30 @@ def collate_encoded(batch: Sequence[tuple[Tensor, int]]) -> tuple[list[Tensor], 
     return [x for x, _ in batch], torch.tensor([y for _, y in batch])
 
 
+def decode_jpegs_on_cuda(encoded: Sequence[Tensor], device: torch.device) -> list[Tensor]:
+    """nvJPEG-decode JPEG byte tensors into RGB `uint8` (3, H, W) tensors on the CUDA `device`.
+
+    Drains the current stream first: nvJPEG does not wait for queued kernels before writing memory
+    the caching allocator may have just recycled from them (pytorch/vision#9606, caveat above)."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    torch.cuda.current_stream(device).synchronize()
+    return decode_jpeg(list(encoded), mode=ImageReadMode.RGB, device=device)
+
+
 def decode_batch_on_device(items: Sequence[Tensor], img_size: int, train: bool, device: str | torch.device = "cuda",
                            scale: tuple[float, float] = (0.08, 1.0)) -> Tensor:
     """Decode (nvjpeg on CUDA), crop and resize a `pipeline="gpu"` batch into `uint8` (B, 3, size, size).
 
     Train: RandomResizedCrop + flip; val: Resize + CenterCrop. On a non-CUDA device JPEGs are decoded on
     the CPU, so the same code runs (and is tested) without a GPU."""
-    from torchvision.io import ImageReadMode, decode_jpeg
-
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("decoding on the GPU needs CUDA (nvjpeg) and none is present: use pipeline='fast'")
     images = list(items)
     encoded = [k for k, x in enumerate(images) if x.dim() == 1]
     if encoded and device.type == "cuda":
-        decoded = decode_jpeg([images[k] for k in encoded], mode=ImageReadMode.RGB, device=device)
+        decoded = decode_jpegs_on_cuda([images[k] for k in encoded], device)
     else:
         decoded = [decode_rgb(images[k]) for k in encoded]
     for k, img in zip(encoded, decoded):
