@@ -377,3 +377,38 @@ def test_make_ema_averages_weights_and_batchnorm_buffers_and_sees_through_compil
     assert not torch.allclose(ema.module[1].running_mean, net[1].running_mean), "buffers are averaged, not copied"
     with pytest.raises(ValueError, match="decay"):
         make_ema(net, decay=1.0)
+
+
+def test_model_ema_matches_pytorchs_averaged_model_and_keeps_its_counter_on_the_cpu():
+    """ModelEMA (no host sync per update) computes what AveragedModel + get_ema_multi_avg_fn computes,
+    and a loaded EMA continues averaging instead of copying the weights again."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    from tutorial_lib.train import ModelEMA, make_ema
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
+                              torch.nn.Linear(64, 2))
+    x, y = 2 + torch.randn(8, 3, 6, 6), torch.randint(0, 2, (8,))
+    ours = make_ema(net, decay=0.7)
+    reference = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.7), use_buffers=True)
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    for _ in range(4):
+        torch.nn.functional.cross_entropy(net(x), y).backward(); opt.step(); opt.zero_grad()
+        ours.update_parameters(net)
+        reference.update_parameters(net)
+    assert isinstance(ours, ModelEMA) and isinstance(ours, AveragedModel)
+    for (name, a), b in zip(ours.module.state_dict().items(), reference.module.state_dict().values()):
+        if a.is_floating_point():
+            assert torch.allclose(a, b, atol=1e-6), name
+    assert ours.module[1].num_batches_tracked == net[1].num_batches_tracked == 4, "integer counters are the model's"
+    assert int(ours.n_averaged) == 4 and ours.n_averaged.device.type == "cpu"
+
+    resumed = make_ema(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
+                                           torch.nn.Linear(64, 2)), decay=0.7)
+    resumed.load_state_dict(ours.state_dict())
+    before = resumed.module[0].weight.clone()
+    resumed.update_parameters(net)
+    ours.update_parameters(net)
+    assert int(resumed.n_averaged) == 5 and torch.allclose(resumed.module[0].weight, ours.module[0].weight)
+    assert not torch.allclose(resumed.module[0].weight, net[0].weight), "a resumed EMA averages, it does not copy"
+    assert torch.allclose(resumed.module[0].weight, 0.7 * before + 0.3 * net[0].weight, atol=1e-6)

@@ -616,6 +616,19 @@ def test_nvjpeg_decode_drains_the_callers_stream_before_decoding(monkeypatch):
     assert all(torch.equal(d, decode_rgb(x)) for d, x in zip(decoded, encoded))
 
 
+def test_normalization_constants_are_made_once_per_device():
+    """Building mean/std from Python lists in every step would be a blocking host-to-GPU copy per step."""
+    from tutorial_lib.data import imagenet_mean_std_255
+
+    images = torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8)
+    first = imagenet_mean_std_255(images.device)
+    out = normalize_on_device(images)
+    assert imagenet_mean_std_255(torch.device("cpu"))[0] is first[0], "cached, not rebuilt"
+    mean = torch.tensor(IMAGENET_MEAN).view(-1, 1, 1) * 255
+    std = torch.tensor(IMAGENET_STD).view(-1, 1, 1) * 255
+    assert torch.allclose(out, (images.float() - mean) / std)
+
+
 # ---------------------------------------------------------------- benchmark
 
 def test_run_data_benchmark_reports_the_four_rates(tmp_path):

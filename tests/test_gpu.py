@@ -4,6 +4,7 @@ pipeline split over two GPUs.
 Skipped without a CUDA GPU (CI has none). `.ci/gpu` runs them with `bench gpu` on a GPU machine.
 `TUTORIAL_TEST_DEVICE=cpu` runs the device-generic ones on the CPU, to check the tests themselves."""
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,34 @@ def test_training_script_compiles_with_inductor_on_the_device(tmp_path):
     final = T.train(args)
     assert final["finished"] and torch.isfinite(torch.tensor(final["train_loss"]))
     assert final["optimizer_steps"] == 64 // 16
+
+
+def count_host_syncs(fn) -> int:
+    """How many synchronizing CUDA calls `fn()` makes (PyTorch's sync debug mode warns at each)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@cuda_only
+def test_training_steps_never_wait_for_the_gpu(tmp_path):
+    """An epoch of 8 optimizer steps synchronizes exactly as often as one of 4: nothing inside a step
+    (data copy, normalization, forward, backward, optimizer, scheduler, metrics, EMA) waits for the GPU."""
+    def epoch_of(steps: int):
+        args = T.default_args(model="resnet18", img_size=32, epochs=1, batch_size=16, max_train_samples=16 * steps,
+                              max_val_samples=32, num_workers=2, mixed_precision="bf16", channels_last=True,
+                              ema=True, ema_decay=0.9, log_interval=0, log_with="none", disable_progress_bar=True,
+                              learning_rate=0.05, working_directory=str(tmp_path), experiment_name=f"sync{steps}")
+        return lambda: T.train(args)
+
+    count_host_syncs(epoch_of(2))  # one-time work (CUDA context, kernels, caches) happens here
+    counts = {steps: count_host_syncs(epoch_of(steps)) for steps in (4, 8)}
+    assert counts[4] == counts[8], f"host syncs per epoch: {counts}: some happen inside every step"
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")

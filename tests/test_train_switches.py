@@ -145,3 +145,20 @@ def test_progressive_resizing_trains_at_the_schedule_and_evaluates_at_val_img_si
 def test_impossible_switch_values_are_refused_naming_the_flag(tmp_path, options, flag):
     with pytest.raises(T.BadFlagError, match=flag):
         run(tmp_path, "bad", **options)
+
+
+def test_training_copies_batches_to_the_device_without_waiting(tmp_path, monkeypatch):
+    """train() asks Accelerate for non-blocking host-to-device copies (pinned batches on a GPU): a
+    blocking copy would wait for the previous step to finish at every batch."""
+    import accelerate
+
+    configs = []
+    build = accelerate.Accelerator.__init__
+
+    def recording_init(self, *args, **kwargs):
+        configs.append(kwargs.get("dataloader_config"))
+        build(self, *args, **kwargs)
+
+    monkeypatch.setattr(accelerate.Accelerator, "__init__", recording_init)
+    run(tmp_path, "nonblocking", epochs=1)
+    assert len(configs) == 1 and configs[0] is not None and configs[0].non_blocking is True

@@ -99,7 +99,7 @@ def overhead_ratio(times: dict[str, list[float]], ours: str = "ours", bare: str 
     """Median time of `ours` over median time of `bare`: 1.00 means no overhead."""
     return statistics.median(times[ours]) / statistics.median(times[bare])
 
-# %% ../notebooks/10_performance.ipynb #a3db1731
+# %% ../notebooks/10_performance.ipynb #ceb8dd2d
 LOOP_DEFAULTS = dict(arch="resnet18", img_size=64, batch_size=16, steps=10, rounds=7, warmup_rounds=1,
                      num_classes=1000, lr=0.1, momentum=0.9, weight_decay=1e-4, gradient_accumulation_steps=1,
                      max_grad_norm=0.0, seed=0)
@@ -133,6 +133,7 @@ def make_our_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Te
     07's seeded loader, prepared by Accelerate); only the data is `images`/`labels`, served again
     and again. A `max_grad_norm` > 0 turns clipping on."""
     from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
 
     from tutorial_lib.data import build_loaders
     from tutorial_lib.optim import param_groups
@@ -146,7 +147,8 @@ def make_our_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Te
                           log_interval=0, num_workers=0)
     _fresh_accelerator_state()  # forget a previous Accelerator of this process (notebooks)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=gradient_accumulation_steps,
-                              step_scheduler_with_optimizer=False)  # as train() builds it
+                              step_scheduler_with_optimizer=False,  # as train() builds it
+                              dataloader_config=DataLoaderConfiguration(non_blocking=True))
     dataset = FixedBatchDataset(images, labels, steps * batch_size)
     train_loader, _ = build_loaders(dataset, dataset, batch_size=batch_size, num_workers=0, seed=seed, pin_memory=False)
     decay = args.weight_decay
