@@ -55,7 +55,7 @@ def median_throughput(window_seconds: list[float], items_per_window: float) -> f
     """Items per second of the median window: robust to one stalled window, unlike the mean."""
     return items_per_window / statistics.median(window_seconds)
 
-# %% ../notebooks/10_performance.ipynb #6f840731
+# %% ../notebooks/10_performance.ipynb #79f5a720
 def make_bare_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, lr: float = 0.1,
                    momentum: float = 0.9, weight_decay: float = 1e-4) -> Callable[[int], None]:
     """A function running `n` bare training steps (forward, loss, backward, SGD step) on one fixed batch.
@@ -79,7 +79,8 @@ def alternate(runs: dict[str, Callable[[int], None]], rounds: int, steps: int,
               warmup_rounds: int = 1) -> dict[str, list[float]]:
     """Seconds per round for each of `runs`, each round running `steps` steps of every function in turn.
 
-    The order flips every round (A B, B A, ...) so that drift in machine speed hits all equally."""
+    The order flips every round (A B, B A, ...) so that drift in machine speed hits all equally; with an
+    even number of rounds each function also runs first (after the other one ran) equally often."""
     if rounds < 1 or steps < 1:
         raise ValueError(f"need at least one round of one step, got rounds={rounds}, steps={steps}")
     names = list(runs)
@@ -99,8 +100,8 @@ def overhead_ratio(times: dict[str, list[float]], ours: str = "ours", bare: str 
     """Median time of `ours` over median time of `bare`: 1.00 means no overhead."""
     return statistics.median(times[ours]) / statistics.median(times[bare])
 
-# %% ../notebooks/10_performance.ipynb #ceb8dd2d
-LOOP_DEFAULTS = dict(arch="resnet18", img_size=64, batch_size=16, steps=10, rounds=7, warmup_rounds=1,
+# %% ../notebooks/10_performance.ipynb #eb06cd0d
+LOOP_DEFAULTS = dict(arch="resnet18", img_size=64, batch_size=16, steps=10, rounds=8, warmup_rounds=1,
                      num_classes=1000, lr=0.1, momentum=0.9, weight_decay=1e-4, gradient_accumulation_steps=1,
                      max_grad_norm=0.0, seed=0)
 
