@@ -147,9 +147,19 @@ def test_impossible_switch_values_are_refused_naming_the_flag(tmp_path, options,
         run(tmp_path, "bad", **options)
 
 
-def test_training_copies_batches_to_the_device_without_waiting(tmp_path, monkeypatch):
-    """train() asks Accelerate for non-blocking host-to-device copies (pinned batches on a GPU): a
-    blocking copy would wait for the previous step to finish at every batch."""
+def test_batches_are_copied_without_waiting_on_cuda_only(monkeypatch):
+    """Non-blocking host-to-device copies overlap the previous step on CUDA; on MPS they have corrupted
+    data and on a CPU there is nothing to copy, so they are used on CUDA only."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert T.overlapping_copies(cpu=False) is True
+    assert T.overlapping_copies(cpu=True) is False, "--cpu on a GPU machine"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert T.overlapping_copies(cpu=False) is False, "Apple MPS or CPU"
+
+
+def test_training_asks_accelerate_for_overlapping_copies(tmp_path, monkeypatch):
+    """train() passes `overlapping_copies` to Accelerate's loader configuration: a blocking copy would
+    wait for the previous step to finish at every batch."""
     import accelerate
 
     configs = []
@@ -160,5 +170,6 @@ def test_training_copies_batches_to_the_device_without_waiting(tmp_path, monkeyp
         build(self, *args, **kwargs)
 
     monkeypatch.setattr(accelerate.Accelerator, "__init__", recording_init)
+    monkeypatch.setattr(T, "overlapping_copies", lambda cpu=False: "asked")  # train() must use its answer
     run(tmp_path, "nonblocking", epochs=1)
-    assert len(configs) == 1 and configs[0] is not None and configs[0].non_blocking is True
+    assert len(configs) == 1 and configs[0] is not None and configs[0].non_blocking == "asked"

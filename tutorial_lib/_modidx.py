@@ -447,6 +447,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'tutorial_lib.train.merge_metrics': ('training_script.html#merge_metrics', 'tutorial_lib/train.py'),
                                     'tutorial_lib.train.mfu': ('training_script.html#mfu', 'tutorial_lib/train.py'),
                                     'tutorial_lib.train.model_signature': ('training_script.html#model_signature', 'tutorial_lib/train.py'),
+                                    'tutorial_lib.train.overlapping_copies': ( 'training_script.html#overlapping_copies',
+                                                                               'tutorial_lib/train.py'),
                                     'tutorial_lib.train.peak_flops_for': ('training_script.html#peak_flops_for', 'tutorial_lib/train.py'),
                                     'tutorial_lib.train.peak_memory_bytes': ( 'training_script.html#peak_memory_bytes',
                                                                               'tutorial_lib/train.py'),

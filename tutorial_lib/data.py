@@ -821,7 +821,7 @@ def print_data_benchmark(result: dict) -> None:
     """Print `format_data_benchmark(result)`."""
     print(format_data_benchmark(result))
 
-# %% ../notebooks/07_data_pipeline.ipynb #2473abd7
+# %% ../notebooks/07_data_pipeline.ipynb #d5fdbe36
 def _jpeg_complete(data: Tensor) -> bool:
     """A JPEG whose header parses and whose end-of-image marker is present (not truncated)."""
     tail = bytes(data[-1024:].tolist())
@@ -874,7 +874,7 @@ def decode_batch_on_device(items: Sequence[Tensor], img_size: int, train: bool, 
         images[k] = img
     out = []
     for img in images:
-        img = img.to(device, non_blocking=True)
+        img = img.to(device, non_blocking=device.type == "cuda")  # non-blocking copies to MPS can corrupt data
         h, w = img.shape[-2:]
         params = sample_crop(h, w, scale) if train else center_crop_params(h, w, img_size)
         out.append(resized_crop_uint8(img, params, img_size))

@@ -41,8 +41,8 @@ __all__ = ['CHECKPOINT_FORMAT', 'MANIFEST', 'TRAIN_STATE', 'PEAK_BF16_TFLOPS', '
            'model_signature', 'save_checkpoint', 'verify_checkpoint', 'load_checkpoint', 'resolve_resume_path',
            'peak_flops_for', 'training_flops_per_image', 'mfu', 'peak_memory_bytes', 'StepTimer',
            'progressive_resolution', 'resize_batch', 'ModelEMA', 'make_ema', 'NonFiniteGuard', 'train_one_epoch',
-           'evaluate', 'train_crop_size', 'train_resolution', 'load_data', 'format_metrics_table', 'train',
-           'get_args_parser', 'default_args', 'error_line', 'main', 'config_path']
+           'evaluate', 'train_crop_size', 'train_resolution', 'load_data', 'format_metrics_table', 'overlapping_copies',
+           'train', 'get_args_parser', 'default_args', 'error_line', 'main', 'config_path']
 
 # %% ../notebooks/08_training_script.ipynb #7d81524b
 class UserInputError(Exception):
@@ -821,7 +821,7 @@ def load_data(args: argparse.Namespace) -> tuple:
     val_ds = _subset(val_ds, args.max_val_samples, args.seed + 1)
     return EpochSeededDataset(train_ds, seed=args.seed), val_ds
 
-# %% ../notebooks/08_training_script.ipynb #8baaafe3
+# %% ../notebooks/08_training_script.ipynb #f4d6414f
 METRIC_COLUMNS = ("epoch", "train_loss", "train_top1", "val_loss", "val_top1", "val_top5", "lr", "images_per_sec")
 
 
@@ -913,6 +913,12 @@ def _check_args(args: argparse.Namespace) -> None:
         raise BadFlagError(f"--working_directory {args.working_directory} is not writable ({err.strerror or err}); "
                            "choose a folder you can write to") from None
 
+def overlapping_copies(cpu: bool = False) -> bool:
+    """Whether batches go to the device with non-blocking copies: on CUDA only. Non-blocking copies to
+    Apple's MPS have silently corrupted data (pytorch/pytorch#139550), and on a CPU there is no copy."""
+    return torch.cuda.is_available() and not cpu
+
+
 def train(args: argparse.Namespace) -> dict:
     """Run the training described by `args` (see `get_args_parser`) and return the final metrics.
 
@@ -934,7 +940,7 @@ def train(args: argparse.Namespace) -> dict:
         project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir)),
         # copy each (pinned) batch to the GPU without waiting: a blocking copy would wait for the whole
         # previous step to finish, so the GPU would idle while Python fetches the next batch (10)
-        dataloader_config=DataLoaderConfiguration(non_blocking=True),
+        dataloader_config=DataLoaderConfiguration(non_blocking=overlapping_copies(args.cpu)),
     )
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > accelerator.num_processes:  # e.g. `accelerate launch --multi_gpu` on a CPU box without --cpu
