@@ -621,7 +621,10 @@ def test_normalization_constants_are_made_once_per_device():
     from tutorial_lib.data import imagenet_mean_std_255
 
     images = torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8)
-    first = imagenet_mean_std_255(images.device)
+    imagenet_mean_std_255.cache_clear()
+    with torch.inference_mode():  # first made during evaluation ...
+        first = imagenet_mean_std_255(images.device)
+    assert not first[0].is_inference(), "... still an ordinary tensor for training"
     out = normalize_on_device(images)
     assert imagenet_mean_std_255(torch.device("cpu"))[0] is first[0], "cached, not rebuilt"
     mean = torch.tensor(IMAGENET_MEAN).view(-1, 1, 1) * 255

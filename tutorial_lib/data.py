@@ -455,7 +455,7 @@ def resized_crop_uint8(img: Tensor, params: CropParams, size: int) -> Tensor:
                         interpolation=F2.InterpolationMode.BILINEAR, antialias=True)
     return out.flip(-1) if params.flip else out
 
-# %% ../notebooks/07_data_pipeline.ipynb #a38b9a29
+# %% ../notebooks/07_data_pipeline.ipynb #5a5e7d2b
 class FastTrainTransform:
     """RandomResizedCrop + flip on `uint8`, decoding JPEGs at reduced size when the crop allows (07 §5)."""
 
@@ -509,8 +509,9 @@ def imagenet_mean_std_255(device: torch.device) -> tuple[Tensor, Tensor]:
 
     Making them from Python lists at every batch would copy them to the GPU with a blocking copy,
     which waits for all queued GPU work: a host sync per training step."""
-    mean = torch.tensor(IMAGENET_MEAN, device=device).view(-1, 1, 1) * 255
-    std = torch.tensor(IMAGENET_STD, device=device).view(-1, 1, 1) * 255
+    with torch.inference_mode(False):  # made first during evaluation, the cache still serves training
+        mean = torch.tensor(IMAGENET_MEAN, device=device).view(-1, 1, 1) * 255
+        std = torch.tensor(IMAGENET_STD, device=device).view(-1, 1, 1) * 255
     return mean, std
 
 
