@@ -373,8 +373,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'tutorial_lib.train.ModelEMA': ('training_script.html#modelema', 'tutorial_lib/train.py'),
                                     'tutorial_lib.train.ModelEMA.__init__': ( 'training_script.html#modelema.__init__',
                                                                               'tutorial_lib/train.py'),
-                                    'tutorial_lib.train.ModelEMA.load_state_dict': ( 'training_script.html#modelema.load_state_dict',
-                                                                                     'tutorial_lib/train.py'),
                                     'tutorial_lib.train.ModelEMA.update_parameters': ( 'training_script.html#modelema.update_parameters',
                                                                                        'tutorial_lib/train.py'),
                                     'tutorial_lib.train.NonFiniteGuard': ('training_script.html#nonfiniteguard', 'tutorial_lib/train.py'),

@@ -540,7 +540,7 @@ class StepTimer:
             out["mfu"] = f"{s['mfu']:.1%}"
         return out
 
-# %% ../notebooks/08_training_script.ipynb #7ae4eb1d
+# %% ../notebooks/08_training_script.ipynb #6d066384
 def progressive_resolution(epoch: int, min_res: int, max_res: int, end_ramp: int, start_ramp: int = 0,
                            step: int = 32) -> int:
     """Training resolution of `epoch` (0-based): `min_res` up to `start_ramp`, rising linearly to
@@ -577,13 +577,8 @@ class ModelEMA(AveragedModel):
     step. Here the counter only counts, on the CPU, and the first update copies the weights."""
 
     def __init__(self, model: nn.Module, decay: float):
-        super().__init__(model, use_buffers=True)
+        super().__init__(model, use_buffers=True)  # no `device`: the counter `n_averaged` stays on the CPU
         self.decay = float(decay)
-        self._started: bool | None = None  # unknown until the first update: a loaded EMA has started
-
-    def load_state_dict(self, *args, **kwargs):
-        self._started = None  # the loaded counter decides (a resumed EMA keeps averaging)
-        return super().load_state_dict(*args, **kwargs)
 
     @torch.no_grad()
     def update_parameters(self, model: nn.Module) -> None:
@@ -591,9 +586,7 @@ class ModelEMA(AveragedModel):
         source = _unwrap(model)
         averaged = [*self.module.parameters(), *self.module.buffers()]
         current = [t.detach() for t in (*source.parameters(), *source.buffers())]
-        if self._started is None:
-            self._started = bool(self.n_averaged > 0)  # the counter lives on the CPU: no GPU wait
-        if not self._started:
+        if int(self.n_averaged) == 0:  # a CPU tensor: reading it waits for nothing; a loaded EMA is > 0
             for a, c in zip(averaged, current):
                 a.copy_(c)  # the first update copies
         else:
@@ -602,7 +595,6 @@ class ModelEMA(AveragedModel):
             for a, c in zip(averaged, current):
                 if not a.is_floating_point():
                     a.copy_(c)  # integer counters (BatchNorm's num_batches_tracked) are the model's
-        self._started = True
         self.n_averaged += 1
 
 
