@@ -1,9 +1,11 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from kernel_helpers import run_in_kernel
 
 from tutorial_lib.core import (bf16_supported, environment_report, free_port, global_batch_size,
                                smoke_mode, training_time_seconds)
@@ -63,3 +65,36 @@ def test_importing_the_library_does_no_work():
             "assert not torch.cuda.is_initialized(); print('ok')")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out == "ok\n"
+
+
+SCRATCH_THEN_FORK = """
+import os, sys
+from tutorial_lib.core import scratch_dir
+folder = scratch_dir("scratch-test-")
+(folder / "checkpoint.bin").write_bytes(b"x" * 1000)
+child = os.fork()
+if child == 0:
+    sys.exit(0)  # a child that exits normally runs the atexit handlers it inherited
+os.waitpid(child, 0)
+assert (folder / "checkpoint.bin").exists(), "a forked child deleted its parent's scratch folder"
+print(folder)
+"""
+
+
+def test_scratch_dir_is_deleted_when_its_process_exits_and_not_when_a_forked_child_does(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", SCRATCH_THEN_FORK], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    folder = Path(out.stdout.strip())
+    assert folder.parent == tmp_path and folder.name.startswith("scratch-test-")
+    assert not folder.exists(), "the folder outlived the process that made it"
+
+
+def test_a_notebook_kernel_deletes_its_scratch_folder_when_it_shuts_down(tmp_path):
+    """What notebooks 06-11 rely on: a run under nbmake or JupyterLab leaves no checkpoints in /tmp."""
+    out = run_in_kernel(["from tutorial_lib.core import scratch_dir\n"
+                         "folder = scratch_dir('kernel-test-'); (folder / 'model.safetensors').write_bytes(b'x')\n"
+                         "print(folder)"], tmp_path)
+    folder = Path(out[0].strip())
+    assert folder.parent == tmp_path
+    assert not folder.exists(), "the kernel exited and left its scratch folder behind"

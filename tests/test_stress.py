@@ -5,16 +5,19 @@ tutorial_lib.train`, without 5 s of imports per run). The full 10-trial run with
 `python -m tutorial_lib.train` per run is `python -m tutorial_lib.stress resume --trials 10`."""
 import random
 import subprocess
+from pathlib import Path
 import sys
 import time
 
 import pytest
 from accelerate.data_loader import BatchSamplerShard
+from kernel_helpers import run_in_kernel
 from torch.utils.data import BatchSampler
 
 from tutorial_lib.data import EpochSeededSampler, UnreadableImageError, build_datasets
-from tutorial_lib.stress import (BAD_FILE_KINDS, CliResult, KillPlan, assert_user_error, child_env, corrupt_image,
-                                 draw_kill_plan, first_files_of_process, make_image_folder, stress_resume)
+from tutorial_lib.stress import (BAD_FILE_KINDS, CliResult, KillPlan, TrainingProcess, as_flags, assert_user_error,
+                                 child_env, corrupt_image, draw_kill_plan, first_files_of_process, make_image_folder,
+                                 stress_resume)
 
 
 def test_two_stress_trials_end_bitwise_identical_within_a_minute(tmp_path):
@@ -70,3 +73,71 @@ def test_stress_command_line_refuses_bad_counts():
     assert done.returncode == 2
     assert done.stderr.strip() == ("python -m tutorial_lib.stress: error: --trials and --epochs must be >= 1, "
                                    "--kills_per_trial >= 0")
+
+
+FORK_RUN_IN_A_KERNEL = """
+import os
+from tutorial_lib.core import scratch_dir
+from tutorial_lib.stress import _fork_context, stop_fork_server
+folder = scratch_dir("fork-test-")
+run = _fork_context().Process(target=os.getpid)  # starts the fork server, a child of the kernel
+run.start(); run.join(); assert run.exitcode == 0
+print(folder)
+"""
+
+
+@pytest.mark.parametrize("stopped", [True, False])
+def test_a_kernel_that_used_the_fork_launcher_cleans_up_only_after_stop_fork_server(tmp_path, stopped):
+    """Notebook 11's last cell: without it the kernel's shutdown waits ~30 s for the fork server, is
+    killed first, and the scratch folder stays. The unstopped case proves the test sees the problem."""
+    out = run_in_kernel([FORK_RUN_IN_A_KERNEL, "stop_fork_server()" if stopped else "pass"], tmp_path)
+    folder = Path(out[0].strip())
+    assert folder.parent == tmp_path
+    assert folder.exists() != stopped, f"stopped={stopped}, scratch folder left: {folder.exists()}"
+
+
+def alive(processes: list) -> list:
+    """The processes among `processes` that still run (psutil compares start times, so a reused pid is not
+    mistaken for the old process; a zombie is dead)."""
+    import psutil
+
+    def running(p):
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+    return [p for p in processes if running(p)]
+
+
+@pytest.mark.parametrize("killed", [False, True])
+def test_a_forked_run_with_loader_workers_leaves_no_process_behind(tmp_path, killed):
+    """A forked run's data loader workers must die with it, as under `python -m tutorial_lib.train`
+    (they used to come from a second fork server that nobody stopped)."""
+    import psutil
+
+    data = make_image_folder(tmp_path / "data")
+    options = dict(model="tinycnn", img_size=16, epochs=40 if killed else 3, batch_size=8, learning_rate=0.05,
+                   num_workers=2, cpu=True, log_with="none", disable_progress_bar=True, log_interval=0,
+                   path_to_data=str(data), working_directory=str(tmp_path / "runs"), experiment_name="run")
+    proc = TrainingProcess(as_flags(options), tmp_path / "log", "fork")
+    run, seen, deadline = psutil.Process(proc.pid), {}, time.time() + 120
+    while proc.poll() is None and time.time() < deadline:  # note every process the run starts
+        try:
+            seen.update({p.pid: p for p in run.children(recursive=True)})
+        except psutil.Error:
+            break
+        if killed and len(seen) >= 2 and (tmp_path / "runs" / "run" / "metrics.jsonl").exists():
+            proc.kill()  # in its second epoch or later, with workers running
+            break
+        time.sleep(0.05)
+    descendants = list(seen.values())
+    assert len(descendants) >= 2, f"the run should have started data loader workers: {descendants}"
+    out = proc.result(timeout=120)
+    assert out.returncode == (-9 if killed else 0), out.stderr[-2000:]
+    deadline = time.time() + 20  # orphaned workers notice their parent is gone within 5 s
+    while alive(descendants) and time.time() < deadline:
+        time.sleep(0.5)
+    left = alive(descendants)
+    for p in left:
+        p.kill()
+    assert not left, f"{len(left)} of the run's {len(descendants)} child processes still run"
