@@ -1,11 +1,25 @@
 """Run code cells in a real Jupyter kernel, as nbmake and JupyterLab do (not a test module)."""
 from __future__ import annotations
 
+import shutil
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
+
+
+@contextmanager
+def short_tmpdir():
+    """A temporary folder with a short path, for a kernel's TMPDIR: multiprocessing puts its sockets
+    there, a socket path may not exceed 107 bytes, and pytest's `tmp_path` under CI's TMPDIR is ~100."""
+    path = Path(tempfile.mkdtemp(prefix="k-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def run_in_kernel(cells: list[str], tmpdir: Path) -> list[str]:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_helpers import run_in_kernel
+from kernel_helpers import run_in_kernel, short_tmpdir
 
 from tutorial_lib.core import (bf16_supported, environment_report, free_port, global_batch_size,
                                smoke_mode, training_time_seconds)
@@ -90,11 +90,12 @@ def test_scratch_dir_is_deleted_when_its_process_exits_and_not_when_a_forked_chi
     assert not folder.exists(), "the folder outlived the process that made it"
 
 
-def test_a_notebook_kernel_deletes_its_scratch_folder_when_it_shuts_down(tmp_path):
+def test_a_notebook_kernel_deletes_its_scratch_folder_when_it_shuts_down():
     """What notebooks 06-11 rely on: a run under nbmake or JupyterLab leaves no checkpoints in /tmp."""
-    out = run_in_kernel(["from tutorial_lib.core import scratch_dir\n"
-                         "folder = scratch_dir('kernel-test-'); (folder / 'model.safetensors').write_bytes(b'x')\n"
-                         "print(folder)"], tmp_path)
-    folder = Path(out[0].strip())
-    assert folder.parent == tmp_path
-    assert not folder.exists(), "the kernel exited and left its scratch folder behind"
+    with short_tmpdir() as tmp:
+        out = run_in_kernel(["from tutorial_lib.core import scratch_dir\n"
+                             "folder = scratch_dir('kernel-test-'); (folder / 'model.safetensors').write_bytes(b'x')\n"
+                             "print(folder)"], tmp)
+        folder = Path(out[0].strip())
+        assert folder.parent == tmp
+        assert not folder.exists(), "the kernel exited and left its scratch folder behind"

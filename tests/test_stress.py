@@ -11,7 +11,7 @@ import time
 
 import pytest
 from accelerate.data_loader import BatchSamplerShard
-from kernel_helpers import run_in_kernel
+from kernel_helpers import run_in_kernel, short_tmpdir
 from torch.utils.data import BatchSampler
 
 from tutorial_lib.data import EpochSeededSampler, UnreadableImageError, build_datasets
@@ -87,13 +87,14 @@ print(folder)
 
 
 @pytest.mark.parametrize("stopped", [True, False])
-def test_a_kernel_that_used_the_fork_launcher_cleans_up_only_after_stop_fork_server(tmp_path, stopped):
+def test_a_kernel_that_used_the_fork_launcher_cleans_up_only_after_stop_fork_server(stopped):
     """Notebook 11's last cell: without it the kernel's shutdown waits ~30 s for the fork server, is
     killed first, and the scratch folder stays. The unstopped case proves the test sees the problem."""
-    out = run_in_kernel([FORK_RUN_IN_A_KERNEL, "stop_fork_server()" if stopped else "pass"], tmp_path)
-    folder = Path(out[0].strip())
-    assert folder.parent == tmp_path
-    assert folder.exists() != stopped, f"stopped={stopped}, scratch folder left: {folder.exists()}"
+    with short_tmpdir() as tmp:
+        out = run_in_kernel([FORK_RUN_IN_A_KERNEL, "stop_fork_server()" if stopped else "pass"], tmp)
+        folder = Path(out[0].strip())
+        assert folder.parent == tmp
+        assert folder.exists() != stopped, f"stopped={stopped}, scratch folder left: {folder.exists()}"
 
 
 def alive(processes: list) -> list:
