@@ -5,10 +5,11 @@ tutorial_lib.train`, without 5 s of imports per run). The full 10-trial run with
 `python -m tutorial_lib.train` per run is `python -m tutorial_lib.stress resume --trials 10`."""
 import random
 import subprocess
-from pathlib import Path
 import sys
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 from accelerate.data_loader import BatchSamplerShard
 from kernel_helpers import run_in_kernel, short_tmpdir
@@ -86,22 +87,21 @@ print(folder)
 """
 
 
-@pytest.mark.parametrize("stopped", [True, False])
-def test_a_kernel_that_used_the_fork_launcher_cleans_up_only_after_stop_fork_server(stopped):
-    """Notebook 11's last cell: without it the kernel's shutdown waits ~30 s for the fork server, is
-    killed first, and the scratch folder stays. The unstopped case proves the test sees the problem."""
+def test_a_kernel_that_used_the_fork_launcher_cleans_up_after_stop_fork_server():
+    """Notebook 11's last cell. A kernel shutting down waits for its child processes; with the fork server
+    and the resource tracker still there it waits ~30 s, is killed first, and its scratch folder stays."""
+    count_children = "import psutil\nprint(len(psutil.Process().children(recursive=True)))"
     with short_tmpdir() as tmp:
-        out = run_in_kernel([FORK_RUN_IN_A_KERNEL, "stop_fork_server()" if stopped else "pass"], tmp)
+        out = run_in_kernel([FORK_RUN_IN_A_KERNEL, count_children, "stop_fork_server()\n" + count_children], tmp)
         folder = Path(out[0].strip())
         assert folder.parent == tmp
-        assert folder.exists() != stopped, f"stopped={stopped}, scratch folder left: {folder.exists()}"
+        assert int(out[1]) >= 1 and int(out[2]) == 0, f"children before/after stop_fork_server: {out[1:]}"
+        assert not folder.exists(), "the kernel exited and left its scratch folder behind"
 
 
 def alive(processes: list) -> list:
     """The processes among `processes` that still run (psutil compares start times, so a reused pid is not
     mistaken for the old process; a zombie is dead)."""
-    import psutil
-
     def running(p):
         try:
             return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
@@ -114,8 +114,6 @@ def alive(processes: list) -> list:
 def test_a_forked_run_with_loader_workers_leaves_no_process_behind(tmp_path, killed):
     """A forked run's data loader workers must die with it, as under `python -m tutorial_lib.train`
     (they used to come from a second fork server that nobody stopped)."""
-    import psutil
-
     data = make_image_folder(tmp_path / "data")
     options = dict(model="tinycnn", img_size=16, epochs=40 if killed else 3, batch_size=8, learning_rate=0.05,
                    num_workers=2, cpu=True, log_with="none", disable_progress_bar=True, log_interval=0,

@@ -95,7 +95,7 @@ def first_files_of_process(data_dir: str | os.PathLike, batch_size: int, process
     first = order[process_index * batch_size:(process_index + 1) * batch_size]
     return [samples[i][0] for i in first]
 
-# %% ../notebooks/11_reliability.ipynb #735ddcfa
+# %% ../notebooks/11_reliability.ipynb #e4f136d9
 @dataclass
 class CliResult:
     """Exit code, output and duration of one run of the training command line."""
@@ -179,9 +179,8 @@ def stop_fork_server() -> None:
     also reaps the process) is the one CPython's own tests use."""
     from multiprocessing import forkserver, resource_tracker
 
-    for helper in (getattr(forkserver, "_forkserver", None), getattr(resource_tracker, "_resource_tracker", None)):
-        if helper is not None and getattr(helper, "_pid", getattr(helper, "_forkserver_pid", None)) is not None:
-            helper._stop()
+    for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
+        helper._stop()  # returns at once when that process is not running
 
 
 class TrainingProcess:
