@@ -76,6 +76,17 @@ def test_stress_command_line_refuses_bad_counts():
                                    "--kills_per_trial >= 0")
 
 
+
+def test_stress_command_line_deletes_its_temporary_folder_when_every_trial_passed():
+    with short_tmpdir() as tmp:
+        done = subprocess.run([sys.executable, "-m", "tutorial_lib.stress", "resume", "--trials", "1", "--kills_per_trial",
+                               "1", "--epochs", "1", "--launcher", "fork"], capture_output=True, text=True,
+                              env=child_env(TMPDIR=str(tmp)), timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "1/1 trials identical" in done.stdout
+        assert not [p.name for p in tmp.iterdir() if p.name.startswith("tutorial-stress-")]
+
+
 FORK_RUN_IN_A_KERNEL = """
 import os
 from tutorial_lib.core import scratch_dir

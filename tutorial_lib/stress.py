@@ -479,7 +479,7 @@ def stress_resume(trials: int = 10, seed: int = 0, workdir: str | os.PathLike | 
     say(f"{sum(r.passed for r in results)}/{len(results)} trials identical")
     return results
 
-# %% ../notebooks/11_reliability.ipynb #0c283ad8
+# %% ../notebooks/11_reliability.ipynb #19aa4330
 def get_args_parser() -> argparse.ArgumentParser:
     """`python -m tutorial_lib.stress resume --trials N [--seed S]` (11)."""
     parser = argparse.ArgumentParser(prog="python -m tutorial_lib.stress",
@@ -505,8 +505,6 @@ def main(argv: list[str] | None = None) -> None:
         print("python -m tutorial_lib.stress: error: --trials and --epochs must be >= 1, --kills_per_trial >= 0",
               file=sys.stderr)
         raise SystemExit(2)
-    if args.launcher == "fork" and getattr(sys.modules["__main__"], "__spec__", None) is not None:
-        sys.modules["__main__"].__spec__ = None  # forked runs must not re-run `-m tutorial_lib.stress` as their main
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="tutorial-stress-"))
     results = stress_resume(args.trials, args.seed, workdir, args.kills_per_trial, args.launcher,
                             run_options={"epochs": args.epochs})
