@@ -8,6 +8,8 @@ import contextlib
 import io
 import json
 import math
+import multiprocessing
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from tutorial_lib.accel import (ClassificationMetrics, MetricsLogger, main_print, read_metrics,
+from tutorial_lib.accel import (ClassificationMetrics, MetricsLogger, launch_with_timeout, main_print, read_metrics,
                                 resolve_wandb_mode, wandb_api_key_configured)
 
 NUM_CLASSES = 10
@@ -264,3 +266,37 @@ def test_sync_on_compute_sums_local_states_exactly_without_padding(two_process_r
         assert rec["synced_uneven"]["loss"] == pytest.approx(single["loss"], rel=1e-9)
         # With the default even_batches the padded duplicates are summed too: the documented caveat.
         assert rec["synced_padded"]["count"] == 2 * BATCH_SIZE * math.ceil(N_SAMPLES / (2 * BATCH_SIZE))
+
+
+def hang_once_on_rank_1(marker: str) -> None:
+    """A launched function whose first launch hangs on rank 1 (as a worker that inherited a held lock does)."""
+    import time
+
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    first_launch = not Path(marker).exists()
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        Path(marker).write_text(Path(marker).read_text() + "x" if Path(marker).exists() else "x")
+    if first_launch and accelerator.process_index == 1:
+        time.sleep(600)
+    accelerator.wait_for_everyone()
+    Path(f"{marker}.done{accelerator.process_index}").write_text(str(accelerator.num_processes))
+
+
+def test_launch_with_timeout_kills_a_hung_launch_and_starts_it_again(tmp_path):
+    marker = str(tmp_path / "launches")
+    start = time.perf_counter()
+    launch_with_timeout(hang_once_on_rank_1, (marker,), num_processes=2, timeout=15)
+    assert Path(marker).read_text() == "xx", "expected exactly two launches"
+    assert [Path(f"{marker}.done{r}").read_text() for r in (0, 1)] == ["2", "2"]
+    assert time.perf_counter() - start < 60
+    assert not multiprocessing.active_children(), "the killed workers were not reaped"
+
+
+def test_launch_with_timeout_gives_up_after_its_attempts(tmp_path):
+    marker = str(tmp_path / "launches")
+    with pytest.raises(Exception):
+        launch_with_timeout(hang_once_on_rank_1, (marker,), num_processes=2, timeout=10, attempts=1)
+    assert Path(marker).read_text() == "x"

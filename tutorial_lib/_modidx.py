@@ -35,6 +35,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                              'tutorial_lib/accel.py'),
                                     'tutorial_lib.accel._to_jsonable': ( 'accelerate_fundamentals.html#_to_jsonable',
                                                                          'tutorial_lib/accel.py'),
+                                    'tutorial_lib.accel.launch_with_timeout': ( 'accelerate_fundamentals.html#launch_with_timeout',
+                                                                                'tutorial_lib/accel.py'),
                                     'tutorial_lib.accel.main_print': ('accelerate_fundamentals.html#main_print', 'tutorial_lib/accel.py'),
                                     'tutorial_lib.accel.read_metrics': ( 'accelerate_fundamentals.html#read_metrics',
                                                                          'tutorial_lib/accel.py'),
