@@ -1,7 +1,6 @@
 """Run code cells in a real Jupyter kernel, as nbmake and JupyterLab do (not a test module)."""
 from __future__ import annotations
 
-import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,11 +14,8 @@ from nbclient import NotebookClient
 def short_tmpdir():
     """A temporary folder with a short path, for a kernel's TMPDIR: multiprocessing puts its sockets
     there, a socket path may not exceed 107 bytes, and pytest's `tmp_path` under CI's TMPDIR is ~100."""
-    path = Path(tempfile.mkdtemp(prefix="k-"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="k-", ignore_cleanup_errors=True) as path:
+        yield Path(path)
 
 
 def run_in_kernel(cells: list[str], tmpdir: Path) -> list[str]:
