@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from tutorial_lib.accel import (ClassificationMetrics, MetricsLogger, launch_with_timeout, main_print, read_metrics,
+from tutorial_lib.accel import (ClassificationMetrics, MetricsLogger, launch_with_timeout, read_metrics,
                                 resolve_wandb_mode, wandb_api_key_configured)
 
 NUM_CLASSES = 10
@@ -49,12 +49,6 @@ def reference_metrics(ds: TensorDataset) -> dict:
 
 
 # --------------------------------------------------------------------------- unit tests
-
-def test_main_print_prints_only_on_the_main_process(capsys):
-    main_print(SimpleNamespace(is_main_process=True), "hello", 1)
-    main_print(SimpleNamespace(is_main_process=False), "from rank 1")
-    assert capsys.readouterr().out == "hello 1\n"
-
 
 def test_metrics_logger_appends_one_json_line_per_call_with_tensors_as_numbers(tmp_path):
     path = tmp_path / "run" / "metrics.jsonl"     # parent folder does not exist yet
@@ -197,15 +191,11 @@ def _two_process_metrics(out_dir: str) -> None:
     # The pitfall: gather each process's accuracy and average those scalars.
     per_process_top1 = accelerator.gather(torch.tensor([local_result["top1"]], dtype=torch.float64))
 
-    captured = io.StringIO()
-    with contextlib.redirect_stdout(captured):
-        main_print(accelerator, "once")
     MetricsLogger(Path(out_dir) / "metrics.jsonl", accelerator).log({"rank": accelerator.process_index})
 
     record = {"num_processes": accelerator.num_processes, "exact": exact.compute(),
               "synced_padded": synced_padded.compute(), "synced_uneven": synced_uneven.compute(),
-              "local_count": local_result["count"], "naive_top1": per_process_top1.mean().item(),
-              "printed": captured.getvalue()}
+              "local_count": local_result["count"], "naive_top1": per_process_top1.mean().item()}
     (Path(out_dir) / f"rank{accelerator.process_index}.json").write_text(json.dumps(record))
 
 
@@ -248,9 +238,8 @@ def test_averaging_per_process_accuracies_gives_a_biased_top1(two_process_record
     assert abs(records[0]["naive_top1"] - expected) > 1.0, (records[0]["naive_top1"], expected)
 
 
-def test_main_print_and_metrics_logger_act_once_on_two_processes(two_process_records):
+def test_metrics_logger_writes_once_on_two_processes(two_process_records):
     out_dir, records = two_process_records
-    assert [rec["printed"] for rec in records] == ["once\n", ""]
     assert read_metrics(out_dir / "metrics.jsonl") == [{"rank": 0}]
 
 

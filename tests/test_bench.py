@@ -3,6 +3,7 @@ the loop-overhead harness, and the GPU benchmark's code path on CPU (and its ref
 The measuring tools and fast-recipe helpers that the training script uses (StepTimer, MFU, FLOP count,
 peak table, progressive_resolution, resize_batch, make_ema) are exported by notebook 08 (tutorial_lib.train);
 notebook 10 measures with them, so their tests import them from there."""
+import copy
 import json
 import os
 import statistics
@@ -18,8 +19,7 @@ import torchvision
 from tutorial_lib.bench import (DRY_RUN, RepeatDataset, alternate, build_synthetic_run, format_gpu_table, jpeg_batches,
                                 jpeg_files_and_labels, linked_image_folder, make_bare_step, measure_steps,
                                 median_throughput, overhead_ratio, run_gpu_benchmark, run_loop_benchmark, time_windows)
-from tutorial_lib.core import count_training_flops
-from tutorial_lib.train import StepTimer, mfu, peak_flops_for, peak_memory_bytes, training_flops_per_image
+from tutorial_lib.core import StepTimer, count_training_flops, mfu, peak_flops_for, peak_memory_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,21 +72,26 @@ def test_mfu_is_achieved_flop_rate_over_peak():
 
 
 def test_meta_flop_count_equals_a_real_counted_pass_and_leaves_the_model_untouched():
+    from torch.utils.flop_counter import FlopCounterMode
+
     model = torchvision.models.resnet18(num_classes=10)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    counted = training_flops_per_image(model, 64)
+    counted = count_training_flops(model, 64)["train"]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "BN statistics changed"
     assert all(p.grad is None for p in model.parameters())
     assert next(model.parameters()).device.type == "cpu"
-    assert counted == count_training_flops(model, img_size=64)["train"]
+    real = copy.deepcopy(model).train()  # the same pass for real, on the CPU, with data
+    with FlopCounterMode(display=False) as counter:
+        real(torch.randn(2, 3, 64, 64)).sum().backward()
+    assert counted == counter.get_total_flops() / 2
 
 
 def test_flops_per_image_scale_with_pixels_and_see_through_compile_wrappers():
     model = torchvision.models.resnet18(num_classes=10)
-    f64, f128 = training_flops_per_image(model, 64), training_flops_per_image(model, 128)
+    f64, f128 = count_training_flops(model, 64)["train"], count_training_flops(model, 128)["train"]
     assert f128 / f64 == pytest.approx(4.0, rel=0.02)
     compiled = torch.compile(model, backend="eager")
-    assert training_flops_per_image(compiled, 64) == f64
+    assert count_training_flops(compiled, 64)["train"] == f64
 
 
 # ---- 2. timing --------------------------------------------------------------------------------
@@ -334,7 +339,7 @@ def test_bench_data_delegates_to_07_and_ends_with_a_json_line(jpeg_folder):
 # ---- 6. helpers of the fast-recipe switches ---------------------------------------------------------
 
 def test_progressive_resolution_follows_ffcvs_schedule():
-    from tutorial_lib.train import progressive_resolution
+    from tutorial_lib.data import progressive_resolution
     schedule = [progressive_resolution(e, 160, 192, end_ramp=76, start_ramp=65) for e in range(88)]
     assert schedule[:66] == [160] * 66 and schedule[76:] == [192] * 12
     assert all(a <= b for a, b in zip(schedule, schedule[1:])) and set(schedule) == {160, 192}
@@ -348,7 +353,7 @@ def test_progressive_resolution_follows_ffcvs_schedule():
 
 
 def test_resize_batch_changes_the_size_keeps_the_layout_and_skips_same_size():
-    from tutorial_lib.train import resize_batch
+    from tutorial_lib.data import resize_batch
     x = torch.rand(2, 3, 32, 32).contiguous(memory_format=torch.channels_last)
     y = resize_batch(x, 16)
     assert y.shape == (2, 3, 16, 16) and y.is_contiguous(memory_format=torch.channels_last)
@@ -358,7 +363,7 @@ def test_resize_batch_changes_the_size_keeps_the_layout_and_skips_same_size():
 
 
 def test_make_ema_averages_weights_and_batchnorm_buffers_and_sees_through_compile():
-    from tutorial_lib.train import make_ema
+    from tutorial_lib.optim import make_ema
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
                               torch.nn.LazyLinear(2))
@@ -384,7 +389,7 @@ def test_model_ema_matches_pytorchs_averaged_model_and_keeps_its_counter_on_the_
     and a loaded EMA continues averaging instead of copying the weights again."""
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-    from tutorial_lib.train import ModelEMA, make_ema
+    from tutorial_lib.optim import ModelEMA, make_ema
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
                               torch.nn.Linear(64, 2))

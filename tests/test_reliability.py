@@ -20,8 +20,7 @@ import torchvision
 from tutorial_lib.data import IMG_EXTENSIONS
 from tutorial_lib.stress import (as_flags, assert_user_error, child_env, corrupt_image, first_files_of_process,
                                  make_image_folder, run_cli, sha256_file)
-from tutorial_lib.train import (MANIFEST, incomplete_checkpoints, latest_checkpoint,
-                                list_checkpoints, verify_checkpoint)
+from tutorial_lib.accel import MANIFEST, incomplete_checkpoints, latest_checkpoint, list_checkpoints, verify_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(model="tinycnn", img_size=16, epochs=1, batch_size=4, learning_rate=0.05, num_workers=0, cpu=True,
@@ -157,7 +156,8 @@ def test_resume_from_another_models_checkpoint_is_refused(tmp_path, data, finish
     ckpt = latest_checkpoint(finished_run)
     sig = json.loads((ckpt / MANIFEST).read_text())["model_signature"]
     done = cli(tmp_path, data, model="resnet18", resume_from_checkpoint=ckpt)
-    from tutorial_lib.train import build_model, model_signature
+    from tutorial_lib.accel import model_signature
+    from tutorial_lib.train import build_model
     other = model_signature(build_model("resnet18", 3))
     assert_user_error(done, f"--resume_from_checkpoint {ckpt} belongs to another model (tinycnn, 3 classes, "
                             f"signature {sig}; this run: resnet18, 3 classes, signature {other}); resume with the same "

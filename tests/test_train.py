@@ -14,8 +14,10 @@ import yaml
 
 from tutorial_lib.accel import read_metrics
 from tutorial_lib.data import embedded_data_path
-from tutorial_lib.train import (RECIPE_V1, build_training_scheduler, config_path, default_args, get_args_parser,
-                                latest_checkpoint, list_checkpoints, train)
+from tutorial_lib.accel import latest_checkpoint, list_checkpoints
+from tutorial_lib.core import config_path
+from tutorial_lib.train import (RECIPE_V1, BadFlagError, build_training_scheduler, check_args, default_args,
+                                get_args_parser, train)
 from train_helpers import ROOT, TINY, bitwise_equal, max_weight_difference, weights
 
 
@@ -94,7 +96,7 @@ def lrs_of(args, steps_per_epoch: int) -> list[float]:
     return lrs
 
 
-def test_every_warmup_flag_shapes_the_schedule():
+def test_every_warmup_flag_shapes_the_schedule(tmp_path):
     steps = 10
     base = default_args(epochs=4, lr_scheduler="cosine", learning_rate=0.1)
     plain = lrs_of(base, steps)
@@ -107,8 +109,8 @@ def test_every_warmup_flag_shapes_the_schedule():
     assert factor[0] == pytest.approx(0.025)
     half = lrs_of(default_args(epochs=4, lr_scheduler="cosine", learning_rate=0.1, lr_warmup_epochs=0.5), steps)
     assert half[5] == pytest.approx(0.1) and half[4] < 0.1  # fractional warmup epochs
-    with pytest.raises(ValueError, match="--lr_warmup_epochs"):
-        lrs_of(default_args(epochs=2, lr_warmup_epochs=2), steps)
+    with pytest.raises(BadFlagError, match="--lr_warmup_epochs 2 covers the whole run"):  # before any data is read
+        check_args(default_args(epochs=2, lr_warmup_epochs=2, working_directory=str(tmp_path)))
 
 
 def test_step_schedule_decays_every_lr_step_size_epochs():
@@ -232,9 +234,9 @@ def test_resumed_run_continues_the_same_wandb_run_with_monotonic_steps(tmp_path,
     assert steps == [5, 10]
 
 
-def test_onecycle_without_warmup_is_refused_with_the_flag_to_change():
-    with pytest.raises(ValueError, match="--lr_warmup_epochs"):
-        lrs_of(default_args(epochs=2, lr_scheduler="onecycle"), steps_per_epoch=5)
+def test_onecycle_without_warmup_is_refused_with_the_flag_to_change(tmp_path):
+    with pytest.raises(BadFlagError, match="--lr_warmup_epochs"):  # by the flag checks, before any data is read
+        check_args(default_args(epochs=2, lr_scheduler="onecycle", working_directory=str(tmp_path)))
     lrs = lrs_of(default_args(epochs=2, lr_scheduler="onecycle", lr_warmup_epochs=0.6), steps_per_epoch=5)
     assert max(lrs) == pytest.approx(0.1) and lrs.index(max(lrs)) == 3
 

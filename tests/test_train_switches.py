@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from tutorial_lib import train as T
-from tutorial_lib.accel import read_metrics
-from tutorial_lib.train import progressive_resolution, training_flops_per_image
+from tutorial_lib.accel import latest_checkpoint, read_metrics
+from tutorial_lib.core import count_training_flops
+from tutorial_lib.data import progressive_resolution
 
 BASE = dict(model="tinycnn", img_size=16, epochs=2, batch_size=16, num_workers=0, cpu=True, log_with="none",
             disable_progress_bar=True, max_train_samples=64, max_val_samples=32, learning_rate=0.05,
@@ -62,7 +63,7 @@ def test_every_switch_is_off_by_default_and_a_default_run_logs_step_time_account
 
 def test_mfu_is_images_per_second_times_flops_at_the_resolution_over_the_peak(tmp_path):
     _, rows = run(tmp_path, "mfu", peak_tflops=0.01)
-    flops = training_flops_per_image(T.build_model("tinycnn", 10), 16)
+    flops = count_training_flops(T.build_model("tinycnn", 10), 16)["train"]
     for r in rows:
         per_process_ips = r["train_count"] / (r["data_time"] + r["compute_time"])
         assert r["mfu"] == pytest.approx(per_process_ips * flops / 0.01e12, rel=1e-6)
@@ -111,7 +112,7 @@ def test_ema_is_evaluated_alongside_differs_from_the_raw_weights_and_resumes_exa
     for r in straight:
         assert {"ema_val_loss", "ema_val_top1", "ema_val_top5"} <= r.keys()
         assert r["ema_val_loss"] != pytest.approx(r["val_loss"], rel=1e-6), "the average is another model"
-    checkpoint = T.latest_checkpoint(tmp_path / "straight")
+    checkpoint = latest_checkpoint(tmp_path / "straight")
     assert (checkpoint / "custom_checkpoint_0.pkl").is_file(), "the EMA is part of every checkpoint"
     stopped, _ = run(tmp_path, "resumed", **options, stop_after_steps=6)  # mid-way through epoch 1
     assert stopped["stopped"]
@@ -129,7 +130,7 @@ def test_progressive_resizing_trains_at_the_schedule_and_evaluates_at_val_img_si
     assert train_sizes == [(r, r) for r in expected for _ in range(4)], "4 batches per epoch at the epoch's size"
     assert {shape for training, shape, _ in spy["calls"] if not training} == {(24, 24)}
     # cheaper epochs at lower resolution: MFU is counted with the FLOPs of the resolution trained at
-    flops = {r: training_flops_per_image(spy["model"], r) for r in expected}
+    flops = {r: count_training_flops(spy["model"], r)["train"] for r in expected}
     for r in rows:
         ips = r["train_count"] / (r["data_time"] + r["compute_time"])
         assert r["mfu"] == pytest.approx(ips * flops[r["train_res"]] / 0.01e12, rel=1e-6)

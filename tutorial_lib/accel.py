@@ -3,10 +3,14 @@
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #da86ef07
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import netrc
 import os
+import re
+import shutil
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -20,8 +24,12 @@ from torchmetrics.classification import MulticlassAccuracy
 from .core import free_port
 
 # %% auto #0
-__all__ = ['WANDB_MODES', 'launch_with_timeout', 'main_print', 'MetricsLogger', 'read_metrics', 'ClassificationMetrics',
-           'wandb_api_key_configured', 'resolve_wandb_mode']
+__all__ = ['CHECKPOINT_FORMAT', 'MANIFEST', 'PROGRESS_FILE', 'WANDB_MODES', 'launch_with_timeout', 'MetricsLogger',
+           'read_metrics', 'format_metrics_table', 'ClassificationMetrics', 'merge_metrics', 'UserInputError',
+           'MissingPathError', 'CheckpointError', 'checkpoint_root', 'list_checkpoints', 'incomplete_checkpoints',
+           'latest_checkpoint', 'fsync_path', 'atomic_write_text', 'sha256_file', 'model_signature', 'save_checkpoint',
+           'verify_checkpoint', 'load_checkpoint', 'resolve_resume_path', 'NonFiniteLossError', 'NonFiniteGuard',
+           'wandb_api_key_configured', 'resolve_wandb_mode', 'start_wandb']
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #8f8d11a1
 def launch_with_timeout(fn, args: tuple = (), num_processes: int = 2, timeout: float | None = None,
@@ -58,15 +66,6 @@ def launch_with_timeout(fn, args: tuple = (), num_processes: int = 2, timeout: f
                 timer.cancel()
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #00edb7a2
-def main_print(accelerator, *args, **kwargs) -> None:
-    """`print` on the global main process only (rank 0), flushed so launched processes show it.
-
-    Taught in 06: with N processes a bare `print` appears N times. Same as `accelerator.print`."""
-    if accelerator.is_main_process:
-        kwargs.setdefault("flush", True)
-        print(*args, **kwargs)
-
-
 def _is_main_process(accelerator=None) -> bool:
     """Rank 0 according to the accelerator, else torch.distributed, else the `RANK` variable."""
     if accelerator is not None:
@@ -131,6 +130,16 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def format_metrics_table(rows: list[dict]) -> str:
+    """Rows of `metrics.jsonl` as a fixed-width text table (what the training script prints, 08)."""
+    head = f"{'epoch':>5} {'train_loss':>10} {'train_top1':>10} {'val_loss':>9} {'val_top1':>8} {'val_top5':>8} {'lr':>9} {'img/s':>8}"
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['epoch']:>5} {r['train_loss']:>10.4f} {r['train_top1']:>9.2f}% {r['val_loss']:>9.4f} "
+                     f"{r['val_top1']:>7.2f}% {r['val_top5']:>7.2f}% {r['lr']:>9.3g} {r['images_per_sec']:>8.1f}")
+    return "\n".join(lines)
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #85562c80
 class _LossAndCount(torchmetrics.Metric):
@@ -230,6 +239,294 @@ class ClassificationMetrics:
         for metric in (self.top1, self.top5, self.loss):
             metric.reset()
 
+
+def merge_metrics(a: dict, b: dict) -> dict:
+    """Combine two `ClassificationMetrics.compute()` results of disjoint samples, weighted by count
+    (the two parts of an epoch interrupted by a checkpoint, 08)."""
+    if not a or not a.get("count"):
+        return dict(b)
+    if not b or not b.get("count"):
+        return dict(a)
+    n = a["count"] + b["count"]
+    return {**{k: (a[k] * a["count"] + b[k] * b["count"]) / n for k in ("loss", "top1", "top5")}, "count": n}
+
+# %% ../notebooks/06_accelerate_fundamentals.ipynb #ff4a7d63
+class UserInputError(Exception):
+    """A problem the user fixes (a flag, the data, a checkpoint): the training script prints one line
+    and exits 2 instead of a traceback (08, 11)."""
+
+
+class MissingPathError(UserInputError, FileNotFoundError):
+    """A path given on the command line (data, checkpoint) that does not exist or is not what it should be."""
+
+
+class CheckpointError(UserInputError, ValueError):
+    """A checkpoint that is incomplete, corrupt, unsafe to load, or written by another model or run."""
+
+
+CHECKPOINT_FORMAT = "tutorial-train-checkpoint/1"
+MANIFEST = "checkpoint.json"        # written last: a folder without it is not a checkpoint
+PROGRESS_FILE = "train_state.json"  # where the run is (epoch, step...) as JSON: nothing of ours needs unpickling
+
+
+def checkpoint_root(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def _is_step_folder(p: Path) -> bool:
+    return p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit()
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints of a run, oldest first: `step_*` folders with their manifest."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _is_step_folder(p) and (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def incomplete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Leftovers of interrupted saves (`.tmp-*`, `.old-*`, `.trash-*`, `step_*` without manifest): never loaded."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and (p.name.startswith((".tmp-", ".old-", ".trash-"))
+                                                              or (_is_step_folder(p) and not (p / MANIFEST).is_file())))
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint of a run, or None."""
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file or a folder entry to the disk (what makes a rename durable after a power cut)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to a temporary file, flush it, rename it over `path`: readers see old or new, never half."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """SHA-256 of a file's bytes, read in 1 MiB blocks (checkpoint manifests, 11's stress test)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def model_signature(model: torch.nn.Module) -> str:
+    """A short hash of the parameter and buffer names and shapes: tells checkpoints of other models apart."""
+    text = ";".join(f"{k}:{tuple(v.shape)}" for k, v in sorted(model.state_dict().items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+# %% ../notebooks/06_accelerate_fundamentals.ipynb #94b74159
+def save_checkpoint(accelerator, run_dir: str | os.PathLike, step: int, progress: dict, keep_last: int,
+                    meta: dict | None = None) -> Path:
+    """Save the full training state into `checkpoints/step_<step>` atomically; keep the last `keep_last`.
+
+    `accelerator.save_state` writes model, optimizer, scheduler and every process's RNG into
+    `.tmp-step_*`; `progress` (where the run is) goes to `train_state.json`; every file is flushed to
+    disk; the manifest (`checkpoint.json`: size and SHA-256 of every file, plus `meta`) is written
+    last; then the folder is renamed. A kill at any moment leaves either the complete folder or a
+    leftover that `latest` ignores. Call it on every process."""
+    root = checkpoint_root(run_dir)
+    final = root / f"step_{step:09d}"
+    tmp = root / f".tmp-{final.name}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))  # model (safetensors), optimizer, scheduler, RNG of every process
+    accelerator.wait_for_everyone()   # every process has written its random state
+    if accelerator.is_main_process:
+        (tmp / PROGRESS_FILE).write_text(json.dumps(progress))
+        files = {}
+        for f in sorted(tmp.iterdir()):
+            fsync_path(f)
+            files[f.name] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+        manifest = {"format": CHECKPOINT_FORMAT, "step": step, **(meta or {}), "files": files}
+        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        fsync_path(tmp)
+        if final.exists():  # an epoch-end checkpoint replaces a mid-epoch one of the same step
+            final.rename(root / f".old-{final.name}")
+        tmp.rename(final)  # the commit point: atomic on POSIX file systems
+        fsync_path(root)
+        for old in list_checkpoints(run_dir)[:-keep_last]:
+            old.rename(root / f".trash-{old.name}")  # out of `list_checkpoints` at once, then deleted
+        for leftover in incomplete_checkpoints(run_dir):  # one run per folder: no other save is in progress
+            if not _is_step_folder(leftover):  # a step_* folder without manifest is only warned about
+                shutil.rmtree(leftover, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+# %% ../notebooks/06_accelerate_fundamentals.ipynb #2b50c8bf
+def _load_plain(path: Path):
+    """`torch.load(weights_only=True)` with the NumPy types accelerate's RNG files need allowed."""
+    from accelerate.utils import load
+
+    return load(path, map_location="cpu", weights_only=True)
+
+
+def _check_files(path: Path, manifest: dict, flag: str) -> None:
+    """Every file the manifest lists is there, unaltered, and nothing else is; pickles hold plain data only."""
+    files = manifest.get("files", {})
+    extra = sorted({p.name for p in path.iterdir()} - {MANIFEST} - set(files))
+    if extra:
+        raise CheckpointError(f"{flag}: unexpected file {extra[0]} (not written by this script); refusing to load it")
+    for name, info in sorted(files.items()):
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{flag}: {name} is missing; resume from an older checkpoint")
+        if f.stat().st_size != info["bytes"] or sha256_file(f) != info["sha256"]:
+            raise CheckpointError(f"{flag}: {name} is corrupt (its size or SHA-256 differs from {MANIFEST}); "
+                                  "resume from an older checkpoint")
+    for name in sorted(n for n in files if n.endswith((".bin", ".pkl", ".pt", ".pth"))):
+        try:
+            _load_plain(path / name)
+        except Exception as err:  # UnpicklingError and friends: anything but plain tensors and numbers
+            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
+            what = f"it refers to {found.group(1)}" if found else type(err).__name__
+            raise CheckpointError(f"{flag}: {name} holds more than tensors and numbers ({what}); "
+                                  "torch.load(weights_only=True) refused it and nothing was run: only resume "
+                                  "from checkpoints you wrote") from None
+
+
+def verify_checkpoint(path: str | os.PathLike, expect: dict | None = None) -> dict:
+    """Check a checkpoint before anything of it is loaded; return its manifest.
+
+    Refuses (with the reason) a folder without manifest, missing, extra or altered files, pickles
+    that `weights_only=True` rejects (they could run code), and a checkpoint whose `expect`ed keys
+    (model, num_classes, model_signature) differ from this run's. Taught in 06; attacked in 11."""
+    path = Path(path)
+    flag = f"--resume_from_checkpoint {path}"
+    if not path.is_dir():
+        raise MissingPathError(f"{flag} does not exist; pass a folder like <run>/checkpoints/step_000000100 or 'latest'")
+    if not (path / MANIFEST).is_file():
+        raise MissingPathError(f"{flag} is not a complete checkpoint of this script (no {MANIFEST}: an interrupted "
+                               "save or another program's folder); pass a step_* folder or 'latest'")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{flag}: {MANIFEST} is unreadable ({err}); resume from an older checkpoint") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{flag}: {MANIFEST} is not a {CHECKPOINT_FORMAT} manifest")
+    _check_files(path, manifest, flag)
+    if any(manifest.get(k) != v for k, v in (expect or {}).items()):
+        def show(d: dict) -> str:
+            return f"{d.get('model')}, {d.get('num_classes')} classes, signature {d.get('model_signature')}"
+        raise CheckpointError(f"{flag} belongs to another model ({show(manifest)}; this run: {show(expect)}); resume "
+                              "with the same --model and data, or start a new --experiment_name")
+    return manifest
+
+
+def load_checkpoint(accelerator, path: str | os.PathLike, expect: dict | None = None) -> tuple[dict, dict]:
+    """Verify, then restore weights, optimizer, scheduler and RNG states; return (manifest, progress)."""
+    manifest = verify_checkpoint(path, expect)
+    accelerator.load_state(str(path))  # safetensors model; other files torch.load(weights_only=True)
+    return manifest, json.loads((Path(path) / PROGRESS_FILE).read_text())
+
+
+def resolve_resume_path(resume: str | None, run_dir: str | os.PathLike, warn=print) -> Path | None:
+    """`--resume_from_checkpoint`: a checkpoint folder, or `latest` (None if the run has none yet).
+
+    `latest` only ever picks a complete checkpoint; leftovers of an interrupted save are named in a
+    warning and ignored."""
+    if not resume:
+        return None
+    if resume == "latest":
+        for leftover in incomplete_checkpoints(run_dir):
+            warn(f"warning: ignoring incomplete checkpoint {leftover} (left by an interrupted save)")
+        return latest_checkpoint(run_dir)
+    path = Path(resume)
+    if not path.is_dir():
+        raise MissingPathError(f"--resume_from_checkpoint {resume} does not exist; pass a folder like "
+                               f"{checkpoint_root(run_dir)}/step_000000100, or 'latest'")
+    if not (path / MANIFEST).is_file():
+        raise MissingPathError(f"--resume_from_checkpoint {resume} is not a complete checkpoint of this script "
+                               f"(no {MANIFEST}); pass a folder like {checkpoint_root(run_dir)}/step_000000100, or 'latest'")
+    return path
+
+# %% ../notebooks/06_accelerate_fundamentals.ipynb #5d1ec69d
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or Inf; the training script prints one line naming the step and exits 3 (11)."""
+
+
+class NonFiniteGuard:
+    """Watch the training loss for NaN/Inf on every process, and decide the same on all of them (06, 11).
+
+    `stop` costs no host sync per step: the first bad optimizer step is recorded on the device and
+    `check` (called on every process at log steps, before checkpoints, at the end of an epoch) raises
+    `NonFiniteLossError` naming it, so nothing computed after it is saved. `skip` decides at every
+    optimizer step (one sync): a step whose loss was NaN/Inf on *any* process is skipped by all of
+    them and counted in `skipped`; `max_in_a_row` skips in a row stop the run (it diverged)."""
+
+    def __init__(self, accelerator, mode: str = "stop", skipped: int = 0, in_a_row: int = 0,
+                 max_in_a_row: int = 10, inject_at: list[int] | None = None):
+        self.accelerator, self.mode, self.max_in_a_row = accelerator, mode, max_in_a_row
+        self.skipped, self.in_a_row = skipped, in_a_row  # the caller keeps them across epochs and resumes
+        self.inject_at = set(inject_at or ())  # testing hook (11): the main process's loss is NaN at these steps
+        self.first_bad = torch.full((1,), -1, dtype=torch.long, device=accelerator.device)
+        self.window_bad, self.last_finite = False, True
+
+    def observe(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        """Record one micro-batch's loss (`step`: the optimizer step it belongs to) and return it."""
+        if step in self.inject_at and self.accelerator.is_main_process:
+            loss = loss * float("nan")
+        bad = ~torch.isfinite(loss.detach()).all()
+        if self.mode == "skip":
+            self.last_finite = not bool(bad)  # a host sync, in skip mode only
+            self.window_bad |= not self.last_finite
+        else:
+            self.first_bad = torch.where((self.first_bad < 0) & bad, step, self.first_bad)  # stays on the device
+        return loss
+
+    def skip_step(self, step: int) -> bool:
+        """On the last micro-batch of optimizer step `step`: True (skip mode) if any process saw NaN/Inf."""
+        if self.mode != "skip":
+            return False
+        flag = torch.tensor([float(self.window_bad)], device=self.accelerator.device)
+        bad = self.accelerator.reduce(flag, "sum").item() > 0  # the same decision on every process
+        self.window_bad = False
+        self.in_a_row = self.in_a_row + 1 if bad else 0
+        if self.in_a_row >= self.max_in_a_row:
+            raise NonFiniteLossError(f"the loss was NaN or Inf at {self.in_a_row} optimizer steps in a row (up to "
+                                     f"step {step}): skipping does not help, the run diverged; lower --learning_rate "
+                                     "or set --max_grad_norm and resume from an earlier checkpoint")
+        if bad:
+            self.skipped += 1
+            self.accelerator.print(f"warning: non-finite loss at optimizer step {step}: step skipped "
+                                   f"({self.skipped} so far)", file=sys.stderr, flush=True)
+        return bad
+
+    def check(self, epoch: int, run_dir: str | os.PathLike) -> None:
+        """Stop mode: raise `NonFiniteLossError` if any process saw NaN/Inf (call it on every process)."""
+        if self.mode != "stop":
+            return
+        steps = self.accelerator.gather(self.first_bad)
+        steps = steps[steps >= 0]
+        if steps.numel():
+            raise NonFiniteLossError(
+                f"the loss became NaN or Inf at optimizer step {int(steps.min())} (epoch {epoch}); training "
+                f"stopped and nothing after it was saved. Last good checkpoint: {latest_checkpoint(run_dir) or 'none'}. "
+                "Lower --learning_rate or set --max_grad_norm and resume with --resume_from_checkpoint latest, or "
+                "pass --on_nonfinite_loss skip to skip such steps")
+
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #556d5937
 WANDB_MODES = ("online", "offline", "disabled")
 _WANDB_MODE_ALIASES = {"dryrun": "offline", "run": "online", "shared": "online"}
@@ -263,3 +560,19 @@ def resolve_wandb_mode() -> str:
     if os.environ.get("WANDB_DISABLED", "").strip().lower() in {"1", "true", "yes"}:
         return "disabled"
     return "online" if wandb_api_key_configured() else "offline"
+
+# %% ../notebooks/06_accelerate_fundamentals.ipynb #23e2345d
+def start_wandb(accelerator, project: str, config: dict, run_id: str, name: str, run_dir: str | os.PathLike) -> str:
+    """`accelerator.init_trackers` for W&B in the mode of `resolve_wandb_mode`, resuming run `run_id`
+    (a resumed training run continues the same W&B run); says where offline logs go and that the local
+    `metrics.jsonl` (`MetricsLogger`) has every epoch. Returns the mode."""
+    mode = resolve_wandb_mode()
+    logs = Path(run_dir) / "wandb"
+    if mode == "offline":
+        accelerator.print(f"W&B: no API key found (WANDB_API_KEY or `wandb login`), logging offline to {logs}; "
+                          f"metrics.jsonl has every epoch; upload later with `wandb sync {logs}/offline-run-*`", flush=True)
+    elif mode == "disabled":
+        accelerator.print("W&B: disabled by WANDB_MODE; metrics.jsonl has every epoch", flush=True)
+    accelerator.init_trackers(project, config=config, init_kwargs={"wandb": {
+        "id": run_id, "resume": "allow", "name": name, "dir": str(run_dir), "mode": mode}})
+    return mode

@@ -17,10 +17,9 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from .core import in_notebook, seed_everything
-from .train import (TrainState, _fresh_accelerator_state, build_training_scheduler, default_args, mfu,
-                                overlapping_copies, peak_flops_for, peak_memory_bytes, train_one_epoch,
-                                training_flops_per_image)
+from .core import count_training_flops, in_notebook, mfu, peak_flops_for, peak_memory_bytes, seed_everything
+from .data import build_loaders, overlapping_copies
+from .train import build_accelerator, default_args, setup_run, train_one_epoch
 
 # %% auto #0
 __all__ = ['LOOP_DEFAULTS', 'SYNTHETIC_CONFIGS', 'JPEG_SUFFIXES', 'DEFAULT_JPEG_DIR', 'GPU_DEFAULTS', 'DRY_RUN', 'time_windows',
@@ -131,48 +130,30 @@ def make_our_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Te
                   seed: int = 0) -> Callable[[int], None]:
     """A function running one epoch of `steps` micro-batches of the training script's `train_one_epoch` (08).
 
-    Everything is built as `train()` builds it (Accelerator, 04's parameter groups, 05's scheduler,
-    07's seeded loader, prepared by Accelerate); only the data is `images`/`labels`, served again
-    and again. A `max_grad_norm` > 0 turns clipping on."""
-    from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration
-
-    from tutorial_lib.data import build_loaders
-    from tutorial_lib.optim import param_groups
-    from tutorial_lib.schedules import num_optimizer_steps
-
+    The run is made by the script's own builders (`build_accelerator`, `setup_run`: Accelerator, 04's
+    parameter groups, 05's scheduler, prepared by Accelerate); only the data is `images`/`labels`,
+    served again and again by 07's seeded loader. A `max_grad_norm` > 0 turns clipping on."""
     batch_size = len(images)
     args = default_args(batch_size=batch_size, img_size=images.shape[-1], learning_rate=lr, momentum=momentum,
-                          weight_decay=weight_decay,
-                          gradient_accumulation_steps=gradient_accumulation_steps, max_grad_norm=max_grad_norm,
-                          num_classes=num_classes, seed=seed, cpu=True, log_with="none", disable_progress_bar=True,
-                          log_interval=0, num_workers=0)
-    _fresh_accelerator_state()  # forget a previous Accelerator of this process (notebooks)
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=gradient_accumulation_steps,
-                              step_scheduler_with_optimizer=False,  # as train() builds it
-                              dataloader_config=DataLoaderConfiguration(non_blocking=overlapping_copies(cpu=True)))
+                        weight_decay=weight_decay, gradient_accumulation_steps=gradient_accumulation_steps,
+                        max_grad_norm=max_grad_norm or None, seed=seed, cpu=True, log_with="none",
+                        disable_progress_bar=True, log_interval=0, num_workers=0)
     dataset = FixedBatchDataset(images, labels, steps * batch_size)
     train_loader, _ = build_loaders(dataset, dataset, batch_size=batch_size, num_workers=0, seed=seed, pin_memory=False)
-    decay = args.weight_decay
-    optimizer = torch.optim.SGD(param_groups(model, decay, decay, decay), lr=lr, momentum=momentum)
-    criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
-    steps_per_epoch = num_optimizer_steps(len(train_loader), gradient_accumulation_steps, 1)
-    scheduler = accelerator.prepare(build_training_scheduler(optimizer, args, steps_per_epoch))
-    state, run_dir = TrainState(), Path(tempfile.gettempdir())  # no checkpoint is written (none asked for)
+    run = setup_run(args, build_accelerator(args), model, train_loader, None, num_classes,
+                    run_dir=tempfile.gettempdir())  # no checkpoint is written (none asked for)
     epoch = [0]
 
-    def run(n: int) -> None:
+    def step(n: int) -> None:
         if n != steps:
             raise ValueError(f"this step function was built for epochs of {steps} steps, not {n}")
-        state.epoch, state.batches_done, state.partial_train = epoch[0], 0, {}
-        out = train_one_epoch(model, criterion, optimizer, scheduler, train_loader, accelerator, epoch[0],
-                                args, state, run_dir)
-        if out["count"] != steps * batch_size:
-            raise RuntimeError(f"train_one_epoch saw {out['count']} samples, expected {steps * batch_size}")
+        run.state.epoch, run.state.batches_done, run.state.partial_train = epoch[0], 0, {}
+        out = train_one_epoch(run, epoch[0])
+        if out.metrics["count"] != steps * batch_size:
+            raise RuntimeError(f"train_one_epoch saw {out.metrics['count']} samples, expected {steps * batch_size}")
         epoch[0] += 1
 
-    return run
+    return step
 
 
 def run_loop_benchmark(arch: str = "resnet18", img_size: int = 64, batch_size: int = 16, steps: int = 10,
@@ -440,7 +421,7 @@ def run_gpu_benchmark(device: torch.device | str = "cuda", arch: str = "resnet50
         log(f"[bench gpu] synthetic {config} ...")
         run = build_synthetic_run(arch, config, device, batch_size, img_size, num_classes, compile_backend, amp_dtype)
         if result.get("train_flops_per_image") is None:
-            result["train_flops_per_image"] = training_flops_per_image(run["model"], img_size)
+            result["train_flops_per_image"] = count_training_flops(run["model"], img_size)["train"]
         row = measure({"config": config, "data": "synthetic"}, lambda run=run: run["step"](run["images"], run["labels"]))
         result["rows"].append(row)
         if "images_per_sec" in row:

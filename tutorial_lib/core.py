@@ -3,22 +3,30 @@
 # %% ../notebooks/00_introduction.ipynb #37d96d4c
 from __future__ import annotations
 
+import argparse
 import atexit
+import math
 import os
 import platform
 import random
+import re
 import shutil
 import socket
+import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['SMOKE_ENV_VAR', 'IMAGENET_TRAIN_IMAGES', 'RECIPE_EPOCHS', 'smoke_mode', 'seed_everything', 'in_notebook', 'free_port',
-           'scratch_dir', 'count_training_flops', 'training_time_seconds', 'global_batch_size', 'environment_report',
-           'bf16_supported', 'main']
+__all__ = ['SMOKE_ENV_VAR', 'IMAGENET_TRAIN_IMAGES', 'RECIPE_EPOCHS', 'PEAK_BF16_TFLOPS', 'positive_int', 'non_negative_int',
+           'positive_float', 'non_negative_float', 'smoke_mode', 'seed_everything', 'in_notebook', 'free_port',
+           'scratch_dir', 'count_training_flops', 'training_time_seconds', 'peak_flops_for', 'mfu', 'peak_memory_bytes',
+           'StepTimer', 'global_batch_size', 'environment_report', 'bf16_supported', 'main', 'number_flag',
+           'OneLineParser', 'HelpFormatter', 'config_path']
 
 # %% ../notebooks/00_introduction.ipynb #a4f4ab1f
 SMOKE_ENV_VAR = "TUTORIAL_SMOKE"
@@ -80,25 +88,29 @@ IMAGENET_TRAIN_IMAGES = 1_281_167
 RECIPE_EPOCHS = 90
 
 
-def count_training_flops(model: torch.nn.Module, img_size: int = 224, batch_size: int = 1) -> dict:
-    """FLOPs of one forward and one forward+backward pass per image, counted by torch.
+def count_training_flops(model: torch.nn.Module, img_size: int = 224, batch_size: int = 2) -> dict:
+    """FLOPs per image of a forward pass and of a training step (forward + backward), counted by torch.
 
-    Uses `torch.utils.flop_counter.FlopCounterMode`, which counts 2 FLOPs per multiply-add of every
-    matmul and convolution (what MFU figures use); taught in 00 and reused by the benchmarks."""
+    `torch.utils.flop_counter.FlopCounterMode` counts 2 FLOPs per multiply-add of every matmul and
+    convolution (what MFU figures use). It runs on a copy of the model on PyTorch's *meta* device
+    (shapes, no data): nothing is computed, the model (weights, BatchNorm statistics, gradients) is
+    untouched, and it works for a model on any device, wrapped in DDP or `torch.compile` or not.
+    Taught in 00; the training script counts its MFU with it (08, 10)."""
+    import copy
+
+    from accelerate.utils import extract_model_from_parallel
     from torch.utils.flop_counter import FlopCounterMode
 
-    x = torch.randn(batch_size, 3, img_size, img_size)
-    was_training = model.training
-    model.train()
+    plain = extract_model_from_parallel(model, keep_torch_compile=False)  # the module under DDP / compile
+    meta_model = copy.deepcopy(plain).to("meta").train()
+    # two images: BatchNorm in training mode refuses one sample on a 1x1 feature map; FLOPs are linear in the batch
+    x = torch.empty(batch_size, 3, img_size, img_size, device="meta")
     with FlopCounterMode(display=False) as counter:
-        model(x)
+        meta_model(x)
     forward = counter.get_total_flops()
     with FlopCounterMode(display=False) as counter:
-        model(x).sum().backward()
-    total = counter.get_total_flops()
-    model.zero_grad(set_to_none=True)
-    model.train(was_training)
-    return {"forward": forward / batch_size, "train": total / batch_size}
+        meta_model(x).sum().backward()
+    return {"forward": forward / batch_size, "train": counter.get_total_flops() / batch_size}
 
 
 def training_time_seconds(images_per_second: float, images: int = IMAGENET_TRAIN_IMAGES,
@@ -107,6 +119,131 @@ def training_time_seconds(images_per_second: float, images: int = IMAGENET_TRAIN
     if images_per_second <= 0:
         raise ValueError(f"images_per_second must be positive, got {images_per_second}")
     return images * epochs / images_per_second
+
+# %% ../notebooks/00_introduction.ipynb #3428c9c5
+# Dense (no sparsity) bf16/fp16 tensor-core peak per GPU, in TFLOP/s, from NVIDIA's datasheets.
+# Longer names first: "A100" must win over "A10", "L40S" over "L4", "H100 PCIe" over "H100".
+# V100 and T4 have no bf16; their entry is the fp16 tensor-core peak.
+PEAK_BF16_TFLOPS: dict[str, float] = {
+    "B200": 2250.0, "GH200": 989.0, "H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0,
+    "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0, "V100": 125.0,
+    "T4": 65.0,
+}
+
+
+def peak_flops_for(device_name: str | None, peak_tflops: float | None = None) -> float | None:
+    """Peak dense bf16 FLOP/s of a GPU named `device_name`, or `peak_tflops` × 1e12 when given.
+
+    Returns None for an unknown device (e.g. a CPU): MFU is then not reported rather than guessed.
+    Pass `peak_tflops` (`--peak_tflops` of the training script and of `bench gpu`) for a GPU missing
+    from the table."""
+    if peak_tflops is not None:
+        if peak_tflops <= 0:
+            raise ValueError(f"peak_tflops must be positive, got {peak_tflops}")
+        return float(peak_tflops) * 1e12
+    if not device_name:
+        return None
+    name = device_name.upper()
+    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
+        if key.upper() in name:
+            return PEAK_BF16_TFLOPS[key] * 1e12
+    return None
+
+
+def mfu(images_per_sec: float, flops_per_image: float, peak_flops: float | None) -> float | None:
+    """Model FLOP utilisation: achieved FLOP/s (images/s × FLOPs per image) over the peak FLOP/s."""
+    if peak_flops is None or peak_flops <= 0:
+        return None
+    return images_per_sec * flops_per_image / peak_flops
+
+
+def peak_memory_bytes(device: torch.device | str = "cpu") -> int:
+    """Peak memory of this process on `device`: CUDA max allocated since the last reset, else peak RSS."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    if device.type == "mps":
+        return int(torch.mps.driver_allocated_memory())
+    try:
+        import resource
+    except ImportError:  # Windows has no `resource`; report nothing rather than a wrong number
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS reports bytes, Linux KiB
+
+# %% ../notebooks/00_introduction.ipynb #78bd1304
+class StepTimer:
+    """Per-epoch accounting of a training loop: time waiting for data vs computing, img/s, peak memory, MFU.
+
+    Use `for batch in timer.iterate(loader): ...; timer.step_done(len(batch))`, or call
+    `data_ready()` yourself when the batch is in hand. Taught in 00; the training script (08) keeps
+    one per epoch and notebook 10 measures with it."""
+
+    def __init__(self, device: torch.device | str = "cpu", flops_per_image: float | None = None,
+                 peak_flops: float | None = None, sync: bool | None = None):
+        self.device = torch.device(device)
+        self.flops_per_image = flops_per_image
+        self.peak_flops = peak_flops
+        # Without a sync, queued GPU work would be billed to whichever later line happens to wait for it.
+        self.sync = (self.device.type == "cuda") if sync is None else sync
+        self.reset()
+
+    def reset(self, flops_per_image: float | None = None) -> None:
+        """Start a new epoch: zero the counters, reset the CUDA peak-memory mark, start the data clock."""
+        if flops_per_image is not None:  # progressive resizing changes the cost per image
+            self.flops_per_image = flops_per_image
+        self.data_time = self.compute_time = 0.0
+        self.images = self.steps = 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._mark = time.perf_counter()
+
+    def data_ready(self) -> None:
+        """The batch is in hand: the time since the last step ended was spent waiting for data."""
+        now = time.perf_counter()
+        self.data_time += now - self._mark
+        self._mark = now
+
+    def step_done(self, num_images: int) -> None:
+        """The step (forward, backward, optimizer) is done: bill the time since `data_ready` to compute."""
+        if self.sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.compute_time += now - self._mark
+        self._mark = now
+        self.images += int(num_images)
+        self.steps += 1
+
+    def iterate(self, loader: Iterable) -> Iterator:
+        """Yield the batches of `loader`, calling `data_ready()` as each one arrives."""
+        self._mark = time.perf_counter()
+        for batch in loader:
+            self.data_ready()
+            yield batch
+
+    def summary(self) -> dict:
+        """The epoch's numbers, ready for `metrics.jsonl`."""
+        total = self.data_time + self.compute_time
+        ips = self.images / total if total > 0 else 0.0
+        flops = self.flops_per_image
+        return {
+            "data_time": self.data_time,
+            "compute_time": self.compute_time,
+            "data_fraction": self.data_time / total if total > 0 else 0.0,
+            "images": self.images,
+            "steps": self.steps,
+            "images_per_sec": ips,
+            "peak_memory_mb": peak_memory_bytes(self.device) / 2**20,
+            "mfu": mfu(ips, flops, self.peak_flops) if flops else None,
+        }
+
+    def postfix(self) -> dict:
+        """Short strings for a progress line: img/s and the share of time spent waiting for data."""
+        s = self.summary()
+        out = {"img/s": f"{s['images_per_sec']:.0f}", "data": f"{s['data_fraction']:.0%}"}
+        if s["mfu"] is not None:
+            out["mfu"] = f"{s['mfu']:.1%}"
+        return out
 
 # %% ../notebooks/00_introduction.ipynb #3f563180
 def global_batch_size(batch_size: int, gradient_accumulation_steps: int = 1, num_processes: int = 1) -> int:
@@ -161,3 +298,61 @@ def main(argv: list[str] | None = None) -> None:
     print(f"tutorial_lib {__version__}")
     for key, value in environment_report().items():
         print(f"  {key:<15} {value}")
+
+# %% ../notebooks/00_introduction.ipynb #8916cb7e
+def number_flag(kind: type, low: float | None = None, high: float | None = None, low_open: bool = False,
+                high_open: bool = False, what: str | None = None):
+    """An argparse `type=`: parse `kind` (int or float) and refuse values outside `[low, high]` (or the open
+    ends), and NaN/Inf, with the range in the message (`what` replaces it, e.g. "a positive number")."""
+    def parse(text) -> int | float:
+        try:
+            value = kind(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        if kind is int and isinstance(text, float) and not text.is_integer():
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}")
+        if not math.isfinite(value) or (low is not None and (value <= low if low_open else value < low)) \
+                or (high is not None and (value >= high if high_open else value > high)):
+            if what or high is None:
+                bound = what or f"{'>' if low_open else '>='} {low:g}"
+                raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+            raise argparse.ArgumentTypeError(f"must be in {'(' if low_open else '['}{low:g}, {high:g}"
+                                             f"{')' if high_open else ']'}, got {value}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in some messages
+    return parse
+
+
+positive_int = number_flag(int, 1)
+non_negative_int = number_flag(int, 0)
+positive_float = number_flag(float, 0, low_open=True, what="a positive number")
+non_negative_float = number_flag(float, 0)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An `ArgumentParser` whose errors are one line, `prog: error: ...`, exit status 2, without the usage
+    block; abbreviated flags are refused (`--lr` must not silently mean `--lr_scheduler`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        message = re.sub(r"^argument (\S+?)(/\S+)?: ", r"\1 ", message)  # "argument --epochs: must..." -> "--epochs must..."
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """`--help` with every flag's default, and descriptions and epilogs printed as written."""
+
+
+def config_path(name: str) -> Path:
+    """Path of an accelerate config or SLURM script shipped in `tutorial_lib/configs/` (launch commands in 08, 09)."""
+    from importlib.resources import files
+
+    folder = Path(str(files("tutorial_lib") / "configs"))
+    path = folder / name
+    if not path.is_file():
+        shipped = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+        raise FileNotFoundError(f"no shipped config {name!r}; choose one of {shipped}")
+    return path

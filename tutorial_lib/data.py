@@ -35,7 +35,8 @@ __all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'IMG_EXTENSIONS', 'VAL_DIR_NAMES', '
            'decode_rgb', 'load_pil_rgb', 'CropParams', 'sample_crop', 'center_crop_params', 'largest_dct_reduction',
            'resized_crop_uint8', 'FastTrainTransform', 'FastValTransform', 'imagenet_mean_std_255',
            'normalize_on_device', 'ImageFolderDataset', 'build_datasets', 'EpochSeededSampler', 'stack_images',
-           'collate_images', 'build_loaders', 'list_images', 'benchmark_pipelines', 'run_data_benchmark',
+           'collate_images', 'build_loaders', 'EpochSeededDataset', 'seeded_subset', 'progressive_resolution',
+           'resize_batch', 'overlapping_copies', 'list_images', 'benchmark_pipelines', 'run_data_benchmark',
            'format_data_benchmark', 'print_data_benchmark', 'EncodedTransform', 'collate_encoded',
            'decode_jpegs_on_cuda', 'decode_batch_on_device', 'get_args_parser', 'main']
 
@@ -690,6 +691,93 @@ def build_loaders(train_ds: Dataset, val_ds: Dataset, batch_size: int, num_worke
                               drop_last=True, **options)
     val_loader = DataLoader(val_ds, batch_size=batch_size, shuffle=False, drop_last=False, **options)
     return train_loader, val_loader
+
+# %% ../notebooks/07_data_pipeline.ipynb #2668a322
+class EpochSeededDataset(Dataset):
+    """Wrap a dataset so sample `i` of epoch `e` is augmented with its own seed `(seed, e, i)`.
+
+    Makes augmentation independent of batch size, process count, worker count and resumes (07, used
+    by 08). The epoch lives in shared memory so `set_epoch` reaches persistent workers too."""
+
+    def __init__(self, dataset: Dataset, seed: int = 0):
+        self.dataset = dataset
+        self.seed = int(seed)
+        self.classes = getattr(dataset, "classes", None)
+        self._epoch = torch.zeros((), dtype=torch.long).share_memory_()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose augmentations `__getitem__` returns."""
+        self._epoch.fill_(int(epoch))
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch)
+
+    def sample_seed(self, index: int) -> int:
+        """The seed of sample `index` in the current epoch (a hash of seed, epoch, index)."""
+        words = np.random.SeedSequence([self.seed, self.epoch, int(index)]).generate_state(2, np.uint32)
+        return (int(words[0]) << 31) ^ int(words[1])
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        seed = self.sample_seed(index)
+        python_state = random.getstate()
+        try:  # fork_rng: torch's CPU generator is the same after the sample as before it
+            with torch.random.fork_rng(devices=[]):
+                random.seed(seed)
+                torch.manual_seed(seed)
+                return self.dataset[index]
+        finally:
+            random.setstate(python_state)
+
+
+def seeded_subset(dataset: Dataset, n: int | None, seed: int) -> Dataset:
+    """A seeded random subset of `n` samples (all of them if n is None or larger), keeping `.classes`."""
+    if not n or n >= len(dataset):
+        return dataset
+    generator = torch.Generator().manual_seed(seed)
+    indices = sorted(torch.randperm(len(dataset), generator=generator)[:n].tolist())
+    subset = torch.utils.data.Subset(dataset, indices)
+    subset.classes = dataset.classes
+    return subset
+
+# %% ../notebooks/07_data_pipeline.ipynb #744cd414
+def progressive_resolution(epoch: int, min_res: int, max_res: int, end_ramp: int, start_ramp: int = 0,
+                           step: int = 32) -> int:
+    """Training resolution of `epoch` (0-based): `min_res` up to `start_ramp`, rising linearly to
+    `max_res` at `end_ramp`, rounded to a multiple of `step` px (FFCV's schedule; its cost in 10)."""
+    if not 0 < min_res <= max_res:
+        raise ValueError(f"need 0 < min_res <= max_res, got min_res={min_res}, max_res={max_res}")
+    if end_ramp < start_ramp or step < 1:
+        raise ValueError(f"need start_ramp <= end_ramp and step >= 1, got {start_ramp}, {end_ramp}, step={step}")
+    if epoch <= start_ramp:
+        return min_res
+    if epoch >= end_ramp:
+        return max_res
+    res = min_res + (max_res - min_res) * (epoch - start_ramp) / (end_ramp - start_ramp)
+    return int(min(max_res, max(min_res, round(res / step) * step)))
+
+
+def resize_batch(images: Tensor, res: int) -> Tensor:
+    """A batch (N, C, H, W) resized to `res`×`res` on its device (bilinear, antialiased), in its memory format.
+
+    Progressive resizing's last step, just before the model; a no-op when the size already matches."""
+    if tuple(images.shape[-2:]) == (res, res):
+        return images
+    channels_last = images.dim() == 4 and images.is_contiguous(memory_format=torch.channels_last) \
+        and not images.is_contiguous()
+    out = torch.nn.functional.interpolate(images, size=(res, res), mode="bilinear", align_corners=False,
+                                          antialias=True)
+    return out.contiguous(memory_format=torch.channels_last) if channels_last else out
+
+
+def overlapping_copies(cpu: bool = False) -> bool:
+    """Whether batches go to the device with non-blocking copies: on CUDA only. Non-blocking copies to
+    Apple's MPS have silently corrupted data (pytorch/pytorch#139550), and on a CPU there is no copy
+    (the training script's loader copies, 08; why they matter, 10)."""
+    return torch.cuda.is_available() and not cpu
 
 # %% ../notebooks/07_data_pipeline.ipynb #759babae
 def list_images(folder: str | os.PathLike) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 # %% auto #0
-__all__ = ['NORM_TYPES', 'parameter_kinds', 'param_groups']
+__all__ = ['NORM_TYPES', 'parameter_kinds', 'param_groups', 'ModelEMA', 'make_ema']
 
 # %% ../notebooks/04_weight_decay.ipynb #23eada8c
 NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm,
@@ -53,3 +53,50 @@ def param_groups(model: nn.Module, weight_decay: float, norm_weight_decay: float
         if members:
             groups.append({"params": members, "weight_decay": value, "name": group_name})
     return groups
+
+# %% ../notebooks/04_weight_decay.ipynb #b8379914
+import torch
+from torch.optim.swa_utils import AveragedModel
+
+
+class ModelEMA(AveragedModel):
+    """PyTorch's `AveragedModel` as an exponential moving average whose update never waits for the GPU.
+
+    `AveragedModel.update_parameters` copies its update counter `n_averaged` (a CPU tensor) to the GPU
+    at every call; a blocking copy waits for all queued GPU work, so that is a host sync per optimizer
+    step. Here the counter only counts, on the CPU, and the first update copies the weights."""
+
+    def __init__(self, model: nn.Module, decay: float):
+        super().__init__(model, use_buffers=True)  # no `device`: the counter `n_averaged` stays on the CPU
+        self.decay = float(decay)
+
+    @torch.no_grad()
+    def update_parameters(self, model: nn.Module) -> None:
+        """ema = decay · ema + (1 − decay) · weights, for the weights and the BatchNorm statistics."""
+        from accelerate.utils import extract_model_from_parallel
+
+        source = extract_model_from_parallel(model, keep_torch_compile=False)  # under DDP / torch.compile
+        averaged = [*self.module.parameters(), *self.module.buffers()]
+        current = [t.detach() for t in (*source.parameters(), *source.buffers())]
+        if int(self.n_averaged) == 0:  # a CPU tensor: reading it waits for nothing; a loaded EMA is > 0
+            for a, c in zip(averaged, current):
+                a.copy_(c)  # the first update copies
+        else:
+            floats = [(a, c) for a, c in zip(averaged, current) if a.is_floating_point()]
+            torch._foreach_lerp_([a for a, _ in floats], [c for _, c in floats], 1.0 - self.decay)
+            for a, c in zip(averaged, current):
+                if not a.is_floating_point():
+                    a.copy_(c)  # integer counters (BatchNorm's num_batches_tracked) are the model's
+        self.n_averaged += 1
+
+
+def make_ema(model: nn.Module, decay: float = 0.9999) -> ModelEMA:
+    """An exponential moving average of `model` (weights AND BatchNorm buffers), on the model's device.
+
+    Call `ema.update_parameters(model)` after every optimizer step; evaluate `ema` like a model.
+    Wrappers (DDP, `torch.compile`) are looked through. Used by the training script's `--ema` (08)."""
+    if not 0.0 < decay < 1.0:
+        raise ValueError(f"ema decay must be in (0, 1), got {decay}")
+    from accelerate.utils import extract_model_from_parallel
+
+    return ModelEMA(extract_model_from_parallel(model, keep_torch_compile=False), decay)

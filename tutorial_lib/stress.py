@@ -20,13 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
+from .accel import sha256_file
 from .core import in_notebook
 
 # %% auto #0
-__all__ = ['BAD_FILE_KINDS', 'STRESS_RUN', 'KILL_KINDS', 'make_image_folder', 'sha256_file', 'corrupt_image',
-           'first_files_of_process', 'CliResult', 'child_env', 'as_flags', 'stop_fork_server', 'TrainingProcess',
-           'run_cli', 'assert_user_error', 'checkpoint_folders', 'KillPlan', 'KillRecord', 'draw_kill_plan',
-           'watch_and_kill', 'TrialResult', 'metrics_match', 'run_trial', 'stress_resume', 'get_args_parser', 'main']
+__all__ = ['BAD_FILE_KINDS', 'STRESS_RUN', 'KILL_KINDS', 'make_image_folder', 'corrupt_image', 'first_files_of_process',
+           'CliResult', 'child_env', 'as_flags', 'stop_fork_server', 'TrainingProcess', 'run_cli', 'assert_user_error',
+           'checkpoint_folders', 'KillPlan', 'KillRecord', 'draw_kill_plan', 'watch_and_kill', 'TrialResult',
+           'metrics_match', 'run_trial', 'stress_resume', 'get_args_parser', 'main']
 
 # %% ../notebooks/11_reliability.ipynb #b4367a58
 def make_image_folder(root: str | os.PathLike, classes: int = 4, train_per_class: int = 24, val_per_class: int = 6,
@@ -48,15 +49,6 @@ def make_image_folder(root: str | os.PathLike, classes: int = 4, train_per_class
                 pixels = np.clip(colour + rng.normal(0, 40, (img_size, img_size, 3)), 0, 255).astype(np.uint8)
                 Image.fromarray(pixels).save(folder / f"{i:04d}.jpg", quality=90)
     return root
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    """SHA-256 of a file's bytes (two files with the same hash are bitwise identical)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 BAD_FILE_KINDS = ("zero_byte", "truncated", "random_bytes", "not_an_image")
