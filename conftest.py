@@ -30,3 +30,10 @@ def fresh_accelerate_state():
     if state is not None:
         state.AcceleratorState._reset_state(reset_partial_state=True)
         state.GradientState._reset_state()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Notebooks train and launch processes: they are `slow` too (`pytest -m "not slow"` is the fast inner loop)."""
+    for item in items:
+        if item.nodeid.endswith(".ipynb") or ".ipynb::" in item.nodeid:
+            item.add_marker(pytest.mark.slow)

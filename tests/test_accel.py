@@ -274,6 +274,7 @@ def hang_once_on_rank_1(marker: str) -> None:
     Path(f"{marker}.done{accelerator.process_index}").write_text(str(accelerator.num_processes))
 
 
+@pytest.mark.slow
 def test_launch_with_timeout_kills_a_hung_launch_and_starts_it_again(tmp_path):
     marker = str(tmp_path / "launches")
     start = time.perf_counter()
@@ -284,6 +285,7 @@ def test_launch_with_timeout_kills_a_hung_launch_and_starts_it_again(tmp_path):
     assert not multiprocessing.active_children(), "the killed workers were not reaped"
 
 
+@pytest.mark.slow
 def test_launch_with_timeout_gives_up_after_its_attempts(tmp_path):
     marker = str(tmp_path / "launches")
     with pytest.raises(Exception):

@@ -165,6 +165,7 @@ for fix in (False, True):
 """
 
 
+@pytest.mark.slow
 def test_accelerate_scales_a_short_last_window_by_1_over_k_and_loss_scale_fixes_it():
     # In a fresh interpreter: an Accelerator leaves process-wide state behind.
     out = subprocess.run([sys.executable, "-c", ACCELERATE_LAST_WINDOW], check=True, capture_output=True,

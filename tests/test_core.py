@@ -37,12 +37,15 @@ def test_training_time_is_images_times_epochs_over_throughput():
         training_time_seconds(0)
 
 
-def test_free_port_gives_distinct_bindable_ports():
+def test_free_port_gives_a_bindable_port_and_never_one_that_is_in_use():
     import socket
     port = free_port()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
     assert 1024 < port < 65536
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", port))  # free: it can be bound
+        held.listen()
+        others = {free_port() for _ in range(5)}  # while it is taken, free_port must give other ports
+    assert port not in others
 
 
 def test_environment_report_names_versions_and_devices():
@@ -52,6 +55,7 @@ def test_environment_report_names_versions_and_devices():
     assert report["bf16_supported"] == bf16_supported()
 
 
+@pytest.mark.slow
 def test_console_script_prints_version_and_hardware():
     exe = Path(sys.executable).with_name("tutorial-lib")
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
@@ -59,6 +63,7 @@ def test_console_script_prints_version_and_hardware():
     assert "cuda_available" in out and "bf16_supported" in out
 
 
+@pytest.mark.slow
 def test_importing_the_library_does_no_work():
     # No prints and no CUDA probing at import time (notebook_launcher needs CUDA untouched).
     code = ("import torch, tutorial_lib, tutorial_lib.core; "
@@ -81,6 +86,7 @@ print(folder)
 """
 
 
+@pytest.mark.slow
 def test_scratch_dir_is_deleted_when_its_process_exits_and_not_when_a_forked_child_does(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", SCRATCH_THEN_FORK], env=env, capture_output=True, text=True)
@@ -90,6 +96,7 @@ def test_scratch_dir_is_deleted_when_its_process_exits_and_not_when_a_forked_chi
     assert not folder.exists(), "the folder outlived the process that made it"
 
 
+@pytest.mark.slow
 def test_a_notebook_kernel_deletes_its_scratch_folder_when_it_shuts_down():
     """What notebooks 06-11 rely on: a run under nbmake or JupyterLab leaves no checkpoints in /tmp."""
     with short_tmpdir() as tmp:

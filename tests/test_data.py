@@ -446,6 +446,7 @@ def test_prepare_val_refuses_a_mismatch_and_changes_nothing(tmp_path, case):
     assert sorted(str(p.relative_to(val)) for p in val.rglob("*")) == before
 
 
+@pytest.mark.slow
 def test_prepare_val_command_line(tmp_path):
     val = flat_val(tmp_path / "val")
     csv_path = kaggle_csv(tmp_path / "LOC_val_solution.csv")
@@ -493,6 +494,7 @@ def test_embedded_dataset_bytes_match_its_readme():
     assert digest.hexdigest() in readme
 
 
+@pytest.mark.slow
 def test_train_loader_order_depends_only_on_seed_and_epoch():
     train, val = build_datasets(embedded_data_path(), img_size=8)
     train_loader, val_loader = build_loaders(train, val, batch_size=64, seed=7)
@@ -556,6 +558,7 @@ def test_loader_options_follow_the_worker_count():
     assert not loader0.persistent_workers and loader0.num_workers == 0
 
 
+@pytest.mark.slow
 def test_accelerate_prepared_loader_sets_the_sampler_epoch():
     from accelerate import Accelerator
 
@@ -634,6 +637,7 @@ def test_normalization_constants_are_made_once_per_device():
 
 # ---------------------------------------------------------------- benchmark
 
+@pytest.mark.slow
 def test_run_data_benchmark_reports_the_four_rates(tmp_path):
     folder = tmp_path / "imgs"
     for k in range(4):
@@ -667,6 +671,7 @@ def test_committed_real_imagenet_jpegs_decode_to_rgb_in_every_pipeline():
     assert modes["n03908714_pencil_sharpener.JPEG"] == "L" and modes["cmyk_from_n04367480_swab.JPEG"] == "CMYK"
 
 
+@pytest.mark.slow
 def test_every_image_of_imagenet_sample_100_loads_without_error():
     if not IMAGENET_SAMPLE.is_dir():
         pytest.skip(f"{IMAGENET_SAMPLE} not present (a fresh clone lacks it)")

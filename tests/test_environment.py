@@ -3,6 +3,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,11 +25,36 @@ def test_environment_installs_the_project_with_dev_extra_through_pip():
     assert pip_part == ['-e ".[dev]"']
 
 
-def test_pip_part_of_environment_resolves(tmp_path):
+def pip_requirements(tmp_path) -> Path:
     # conda runs pip from the folder of environment.yml: resolve the same requirement from there.
     pip_part = next(d["pip"] for d in load_env()["dependencies"] if isinstance(d, dict))
     req = tmp_path / "requirements.txt"
     req.write_text("\n".join(line.replace('"', "") for line in pip_part) + "\n")
-    result = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "-r", str(req)],
+    return req
+
+
+@pytest.mark.slow
+def test_pip_part_of_environment_resolves_offline_against_this_environment(tmp_path):
+    """Every requirement of the project and its dev extra is satisfied by what is installed: no index needed."""
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--no-index",
+                             "--no-build-isolation", "-r", str(pip_requirements(tmp_path))],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def package_index_reachable(folder: Path) -> bool:
+    result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--dest", str(folder),
+                             "--quiet", "--timeout", "5", "--retries", "0", "six"],
+                            capture_output=True, text=True, timeout=60)
+    return result.returncode == 0
+
+
+@pytest.mark.slow
+def test_pip_part_of_environment_resolves_from_the_package_index(tmp_path):
+    """What a new conda user gets: the same requirement resolved from the index (skipped without one)."""
+    if not package_index_reachable(tmp_path / "probe"):
+        pytest.skip("no package index reachable from this machine")
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--ignore-installed",
+                             "-r", str(pip_requirements(tmp_path))],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -17,6 +17,8 @@ from tutorial_lib.core import seed_everything
 from tutorial_lib.data import (build_datasets, decode_batch_on_device, decode_jpegs_on_cuda, embedded_data_path,
                                jpeg_size, read_bytes)
 
+pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
+
 DEVICE = torch.device(os.environ.get("TUTORIAL_TEST_DEVICE", "cuda"))
 ASSETS = Path(__file__).resolve().parent / "assets" / "imagenet"
 needs_device = pytest.mark.skipif(DEVICE.type == "cuda" and not torch.cuda.is_available(),

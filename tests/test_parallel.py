@@ -12,6 +12,7 @@ from tutorial_lib.parallel import (ColumnParallelLinear, PipelineModel, RowParal
                                    run_ddp_gradient_check)
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_match_single_process_even_with_port_29500_taken():
     # debug_launcher meets through a FileStore: holding its nominal MASTER_PORT must not matter,
     # so parallel notebooks/tests cannot clash on it.
@@ -79,6 +80,7 @@ def test_two_stage_resnet50_equals_the_unsplit_model(resnet50, cut):
         assert torch.allclose(pipeline(x).cpu(), resnet50(x), rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_micro_batched_pipeline_gives_the_same_eval_outputs(resnet50):
     x = torch.randn(4, 3, 32, 32)
     pipeline = PipelineModel(resnet_stages(resnet50), ["cpu", "cpu"], micro_batches=2).eval()

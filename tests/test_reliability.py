@@ -22,6 +22,8 @@ from tutorial_lib.stress import (as_flags, assert_user_error, child_env, corrupt
                                  make_image_folder, run_cli, sha256_file)
 from tutorial_lib.accel import MANIFEST, incomplete_checkpoints, latest_checkpoint, list_checkpoints, verify_checkpoint
 
+pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(model="tinycnn", img_size=16, epochs=1, batch_size=4, learning_rate=0.05, num_workers=0, cpu=True,
             log_with="none", disable_progress_bar=True, log_interval=0)

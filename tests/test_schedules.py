@@ -168,6 +168,7 @@ def _formula(t, total):
     return BASE * 0.5 * (1 + math.cos(math.pi * min(t - WARMUP, total - WARMUP) / (total - WARMUP)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_schedule_follows_formula_per_optimizer_step_with_accumulation_1_and_3_on_real_processes(num_processes):
     per_rank = _launch(num_processes)

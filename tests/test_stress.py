@@ -20,6 +20,8 @@ from tutorial_lib.stress import (BAD_FILE_KINDS, CliResult, KillPlan, TrainingPr
                                  child_env, corrupt_image, draw_kill_plan, first_files_of_process, make_image_folder,
                                  stress_resume)
 
+pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
+
 
 def test_two_stress_trials_end_bitwise_identical_within_a_minute(tmp_path):
     start = time.perf_counter()
@@ -91,6 +93,7 @@ FORK_RUN_IN_A_KERNEL = """
 import os
 from tutorial_lib.core import scratch_dir
 from tutorial_lib.stress import _fork_context, stop_fork_server
+
 folder = scratch_dir("fork-test-")
 run = _fork_context().Process(target=os.getpid)  # starts the fork server, a child of the kernel
 run.start(); run.join(); assert run.exitcode == 0

@@ -32,12 +32,14 @@ def modules_out_of_sync(repo_copy: Path) -> list[str]:
     return sorted(str(p) for p in before.keys() | after.keys() if before.get(p) != after.get(p))
 
 
+@pytest.mark.slow
 def test_exported_modules_match_notebooks(tmp_path):
     changed = modules_out_of_sync(copy_repo(tmp_path))
     assert not changed, (f"tutorial_lib is out of sync with the notebooks: {changed}. "
                          "Edit the notebook, run nbdev-export, and commit both.")
 
 
+@pytest.mark.slow
 def test_sync_check_catches_a_hand_edited_module(tmp_path):
     repo = copy_repo(tmp_path)
     core = repo / "tutorial_lib" / "core.py"
@@ -57,6 +59,7 @@ def test_every_exporting_notebook_owns_one_module():
             owners[module] = nb_path.name
 
 
+@pytest.mark.slow
 def test_nbdev_clean_leaves_committed_notebooks_unchanged(tmp_path):
     repo = copy_repo(tmp_path)
     notebooks = sorted((repo / "notebooks").glob("*.ipynb"))

@@ -20,6 +20,8 @@ from tutorial_lib.train import (RECIPE_V1, BadFlagError, build_training_schedule
                                 get_args_parser, train)
 from train_helpers import ROOT, TINY, bitwise_equal, max_weight_difference, weights
 
+pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
+
 
 def run(tmp_path, name, **overrides) -> dict:
     return train(default_args(**{**TINY, "working_directory": str(tmp_path), "experiment_name": name, **overrides}))

@@ -17,6 +17,8 @@ from tutorial_lib.core import free_port
 from tutorial_lib.train import default_args, train
 from train_helpers import ROOT, TINY, as_flags, bitwise_equal, launch, max_weight_difference, weights
 
+pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
+
 ACCUMULATION = 3  # 5 batches per process and epoch -> optimizer steps of 3 and 2 micro-batches
 
 

@@ -13,6 +13,8 @@ from tutorial_lib.accel import latest_checkpoint, read_metrics
 from tutorial_lib.core import count_training_flops
 from tutorial_lib.data import progressive_resolution
 
+pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
+
 BASE = dict(model="tinycnn", img_size=16, epochs=2, batch_size=16, num_workers=0, cpu=True, log_with="none",
             disable_progress_bar=True, max_train_samples=64, max_val_samples=32, learning_rate=0.05,
             lr_scheduler="constant")
