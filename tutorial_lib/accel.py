@@ -3,6 +3,7 @@
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #da86ef07
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import multiprocessing
@@ -10,8 +11,11 @@ import netrc
 import os
 import re
 import shutil
+import signal
+import socket
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,11 +28,13 @@ from torchmetrics.classification import MulticlassAccuracy
 from .core import free_port
 
 # %% auto #0
-__all__ = ['CHECKPOINT_FORMAT', 'MANIFEST', 'PROGRESS_FILE', 'WANDB_MODES', 'launch_with_timeout', 'MetricsLogger',
-           'read_metrics', 'format_metrics_table', 'ClassificationMetrics', 'merge_metrics', 'UserInputError',
-           'MissingPathError', 'CheckpointError', 'checkpoint_root', 'list_checkpoints', 'incomplete_checkpoints',
-           'latest_checkpoint', 'fsync_path', 'atomic_write_text', 'sha256_file', 'model_signature', 'save_checkpoint',
-           'verify_checkpoint', 'load_checkpoint', 'resolve_resume_path', 'NonFiniteLossError', 'NonFiniteGuard',
+__all__ = ['CHECKPOINT_FORMAT', 'MANIFEST', 'PROGRESS_FILE', 'RUN_LOCK', 'RUN_OUTPUTS', 'WANDB_MODES', 'launch_with_timeout',
+           'MetricsLogger', 'read_metrics', 'format_metrics_table', 'ClassificationMetrics', 'merge_metrics',
+           'UserInputError', 'MissingPathError', 'CheckpointError', 'checkpoint_root', 'list_checkpoints',
+           'incomplete_checkpoints', 'latest_checkpoint', 'fsync_path', 'atomic_write_text', 'sha256_file',
+           'model_signature', 'DiskFullError', 'follow_umask', 'save_checkpoint', 'save_final_model',
+           'verify_checkpoint', 'load_checkpoint', 'resolve_resume_path', 'RunFolderError', 'RunLock', 'run_outputs',
+           'claim_run_folder', 'cut_metrics', 'NonFiniteLossError', 'NonFiniteGuard', 'StopRequest',
            'wandb_api_key_configured', 'resolve_wandb_mode', 'start_wandb']
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #8f8d11a1
@@ -118,6 +124,8 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
             f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the next epoch: a crash loses no finished epoch
 
     def read(self) -> list[dict]:
         """All records logged so far (on any process; empty if the file does not exist yet)."""
@@ -335,6 +343,36 @@ def model_signature(model: torch.nn.Module) -> str:
     text = ";".join(f"{k}:{tuple(v.shape)}" for k, v in sorted(model.state_dict().items()))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+# %% ../notebooks/06_accelerate_fundamentals.ipynb #23c48d90
+class DiskFullError(UserInputError):
+    """A checkpoint or the final model did not fit on the disk; the previous checkpoint is intact."""
+
+
+def _no_space(err: BaseException | None) -> bool:
+    """Whether `err` (or an error it was raised from) is "no space left on device", as the OS or C++ reports it."""
+    while err is not None:
+        if getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err) or "iostream error" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _disk_full_message(run_dir: Path, what: str) -> str:
+    previous = latest_checkpoint(run_dir)
+    need = sum(f.stat().st_size for f in previous.iterdir()) if previous else 0
+    free = shutil.disk_usage(run_dir).free
+    return (f"no space left on the disk of {run_dir} while saving {what}: it needs about {need / 2**20:.0f} MB "
+            f"({free / 2**20:.0f} MB free); free some space, then resume with --resume_from_checkpoint latest "
+            f"(the previous checkpoint, {previous.name if previous else 'none'}, is intact)")
+
+
+def follow_umask(path: str | os.PathLike) -> None:
+    """Give a file the mode the user's umask asks for: safetensors writes 0600 whatever it says, and others
+    on a shared cluster could not read the weights."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #94b74159
 def save_checkpoint(accelerator, run_dir: str | os.PathLike, step: int, progress: dict, keep_last: int,
                     meta: dict | None = None) -> Path:
@@ -344,36 +382,86 @@ def save_checkpoint(accelerator, run_dir: str | os.PathLike, step: int, progress
     `.tmp-step_*`; `progress` (where the run is) goes to `train_state.json`; every file is flushed to
     disk; the manifest (`checkpoint.json`: size and SHA-256 of every file, plus `meta`) is written
     last; then the folder is renamed. A kill at any moment leaves either the complete folder or a
-    leftover that `latest` ignores. Call it on every process."""
+    leftover that `latest` ignores; a full disk raises `DiskFullError` on every process. Call it on
+    every process."""
     root = checkpoint_root(run_dir)
-    final = root / f"step_{step:09d}"
+    final, failure = root / f"step_{step:09d}", None
     tmp = root / f".tmp-{final.name}"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))  # model (safetensors), optimizer, scheduler, RNG of every process
-    accelerator.wait_for_everyone()   # every process has written its random state
+    try:
+        accelerator.save_state(str(tmp))  # model (safetensors), optimizer, scheduler, RNG of every process
+    except (OSError, RuntimeError) as err:  # e.g. a full disk, as the OS or torch's C++ writer reports it
+        failure = err
+    _stop_if_any_failed(accelerator, failure, tmp, run_dir, f"the checkpoint of step {step}")  # all wrote their RNG
     if accelerator.is_main_process:
-        (tmp / PROGRESS_FILE).write_text(json.dumps(progress))
-        files = {}
-        for f in sorted(tmp.iterdir()):
-            fsync_path(f)
-            files[f.name] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
-        manifest = {"format": CHECKPOINT_FORMAT, "step": step, **(meta or {}), "files": files}
-        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
-        fsync_path(tmp)
-        if final.exists():  # an epoch-end checkpoint replaces a mid-epoch one of the same step
-            final.rename(root / f".old-{final.name}")
-        tmp.rename(final)  # the commit point: atomic on POSIX file systems
-        fsync_path(root)
-        for old in list_checkpoints(run_dir)[:-keep_last]:
-            old.rename(root / f".trash-{old.name}")  # out of `list_checkpoints` at once, then deleted
-        for leftover in incomplete_checkpoints(run_dir):  # one run per folder: no other save is in progress
-            if not _is_step_folder(leftover):  # a step_* folder without manifest is only warned about
-                shutil.rmtree(leftover, ignore_errors=True)
-    accelerator.wait_for_everyone()
+        try:
+            _commit_checkpoint(tmp, final, step, progress, meta)
+            for old in list_checkpoints(run_dir)[:-keep_last]:
+                old.rename(root / f".trash-{old.name}")  # out of `list_checkpoints` at once, then deleted
+            for leftover in incomplete_checkpoints(run_dir):  # one run per folder: no other save is in progress
+                if not _is_step_folder(leftover):  # a step_* folder without manifest is only warned about
+                    shutil.rmtree(leftover, ignore_errors=True)
+        except OSError as err:
+            failure = err
+    _stop_if_any_failed(accelerator, failure, tmp, run_dir, f"the checkpoint of step {step}")
     return final
+
+
+def _commit_checkpoint(tmp: Path, final: Path, step: int, progress: dict, meta: dict | None) -> None:
+    """Main process: progress file, fsync of every file, the manifest last, then the rename that commits."""
+    (tmp / PROGRESS_FILE).write_text(json.dumps(progress))
+    files = {}
+    for f in sorted(tmp.iterdir()):
+        follow_umask(f)
+        fsync_path(f)
+        files[f.name] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+    manifest = {"format": CHECKPOINT_FORMAT, "step": step, **(meta or {}), "files": files}
+    atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
+    fsync_path(tmp)
+    if final.exists():  # an epoch-end checkpoint replaces a mid-epoch one of the same step
+        final.rename(final.with_name(f".old-{final.name}"))
+    tmp.rename(final)  # the commit point: atomic on POSIX file systems
+    fsync_path(final.parent)
+
+
+def _stop_if_any_failed(accelerator, failure: BaseException | None, tmp: Path, run_dir: str | os.PathLike,
+                        what: str) -> None:
+    """The same decision on every process: if any failed to save, all stop (`DiskFullError` for a full disk)."""
+    flags = torch.tensor([float(failure is not None), float(_no_space(failure))], device=accelerator.device)
+    failed, full = (accelerator.reduce(flags, "sum") > 0).tolist()
+    if not failed:
+        return
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)  # the half-written folder; the previous checkpoint is untouched
+    if full:
+        raise DiskFullError(_disk_full_message(Path(run_dir), what)) from None
+    if failure is not None:
+        raise failure
+    raise RuntimeError(f"another process failed while saving {what}")
+
+
+def save_final_model(accelerator, model: torch.nn.Module, run_dir: str | os.PathLike) -> Path:
+    """`<run>/model.safetensors`, the weights only (unwrapped), moved into place whole: a kill never leaves half
+    a file, a full disk stops with one line. Call it on every process."""
+    run_dir, failure = Path(run_dir), None
+    tmp = run_dir / ".tmp-final"
+    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_model(model, tmp)
+    except (OSError, RuntimeError) as err:
+        failure = err
+    _stop_if_any_failed(accelerator, failure, tmp, run_dir, "the final model")
+    if accelerator.is_main_process:
+        for f in tmp.iterdir():
+            follow_umask(f)
+            fsync_path(f)
+            os.replace(f, run_dir / f.name)
+        shutil.rmtree(tmp)
+    accelerator.wait_for_everyone()
+    return run_dir / "model.safetensors"
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #2b50c8bf
 def _load_plain(path: Path):
@@ -442,17 +530,24 @@ def load_checkpoint(accelerator, path: str | os.PathLike, expect: dict | None = 
     return manifest, json.loads((Path(path) / PROGRESS_FILE).read_text())
 
 
-def resolve_resume_path(resume: str | None, run_dir: str | os.PathLike, warn=print) -> Path | None:
+def resolve_resume_path(resume: str | None, run_dir: str | os.PathLike, warn=print,
+                        run_id: str | None = None) -> Path | None:
     """`--resume_from_checkpoint`: a checkpoint folder, or `latest` (None if the run has none yet).
 
-    `latest` only ever picks a complete checkpoint; leftovers of an interrupted save are named in a
-    warning and ignored."""
+    `latest` only ever picks a complete checkpoint of the run `run_id` (when given): leftovers of an
+    interrupted save and checkpoints of other runs are named in a warning and ignored."""
     if not resume:
         return None
     if resume == "latest":
         for leftover in incomplete_checkpoints(run_dir):
             warn(f"warning: ignoring incomplete checkpoint {leftover} (left by an interrupted save)")
-        return latest_checkpoint(run_dir)
+        found = list_checkpoints(run_dir)
+        if run_id is not None:
+            foreign = [p for p in found if _manifest_run_id(p) not in (run_id, None)]
+            for p in foreign:
+                warn(f"warning: ignoring checkpoint {p}: it belongs to run {_manifest_run_id(p)}, not to {run_id}")
+            found = [p for p in found if p not in foreign]
+        return found[-1] if found else None
     path = Path(resume)
     if not path.is_dir():
         raise MissingPathError(f"--resume_from_checkpoint {resume} does not exist; pass a folder like "
@@ -461,6 +556,109 @@ def resolve_resume_path(resume: str | None, run_dir: str | os.PathLike, warn=pri
         raise MissingPathError(f"--resume_from_checkpoint {resume} is not a complete checkpoint of this script "
                                f"(no {MANIFEST}); pass a folder like {checkpoint_root(run_dir)}/step_000000100, or 'latest'")
     return path
+
+
+def _manifest_run_id(checkpoint: Path) -> str | None:
+    try:
+        return json.loads((checkpoint / MANIFEST).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+# %% ../notebooks/06_accelerate_fundamentals.ipynb #f1cd8293
+class RunFolderError(UserInputError):
+    """A run folder that holds another run, or that another run is using right now."""
+
+
+RUN_LOCK = ".run.lock"
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "model.safetensors", "final_metrics.json")  # what makes a folder a run
+
+
+class RunLock:
+    """The main process's exclusive hold on a run folder: an OS lock (`flock`) on `<run>/.run.lock`.
+
+    The kernel releases it when the process ends, killed or not, so a dead run's lock file is simply
+    taken over; the file only says who holds it, for the error message of a second run."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.path, self.fd = Path(run_dir) / RUN_LOCK, None
+
+    def acquire(self) -> str:
+        """Take the lock or raise `RunFolderError`; returns who held it before, if anyone ("" if nobody)."""
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        before = os.read(fd, 500).decode(errors="replace").strip()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RunFolderError(f"{self.path.parent} is in use by another run ({before or 'unknown process'}): "
+                                 "wait for it to end, or give this run another --experiment_name") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+                  .encode(), 0)
+        self.fd = fd
+        return before
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the file releases the lock
+            self.fd = None
+
+
+def run_outputs(run_dir: str | os.PathLike) -> list[str]:
+    """The outputs of a run already in `run_dir` (checkpoints, metrics, final weights); [] for a new folder."""
+    run_dir = Path(run_dir)
+    found = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+    if "checkpoints" in found and not any((run_dir / "checkpoints").iterdir()):
+        found.remove("checkpoints")  # an empty checkpoints/ folder holds nothing
+    return found
+
+
+def claim_run_folder(run_dir: str | os.PathLike, fresh: bool, overwrite: bool = False) -> RunLock:
+    """Lock `run_dir` for this run (main process only). A `fresh` run refuses a folder that holds another run,
+    unless `overwrite` moves that run aside first (`<name>.replaced-<time>`, nothing deleted)."""
+    run_dir = Path(run_dir)
+    lock = RunLock(run_dir)
+    lock.acquire()
+    existing = run_outputs(run_dir) if fresh else []
+    if existing and not overwrite:
+        lock.release()
+        raise RunFolderError(f"{run_dir} already holds a run ({', '.join(existing)}): resume it with "
+                             "--resume_from_checkpoint latest, give this run another --experiment_name, or pass "
+                             "--overwrite to move the old run aside (nothing is deleted)")
+    if existing:  # --overwrite: the old run, lock file included, moves aside whole; this run starts a new folder
+        aside = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir.rename(aside)
+        new_lock = RunLock(run_dir)
+        new_lock.acquire()
+        lock.release()
+        print(f"moved the previous run in {run_dir} to {aside}", flush=True)
+        return new_lock
+    return lock
+
+# %% ../notebooks/06_accelerate_fundamentals.ipynb #76049e21
+def cut_metrics(path: str | os.PathLike, before_epoch: int) -> dict:
+    """Keep the lines of `metrics.jsonl` for epochs before `before_epoch` (a resumed run trains the later ones
+    again); drop later lines and unreadable ones (a torn last line after a crash or a full disk). Rewritten
+    atomically; returns what was kept and dropped. Call on the main process."""
+    path = Path(path)
+    kept, later, torn = [], 0, 0
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    for line in filter(str.strip, lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            torn += 1
+            continue
+        if isinstance(row, dict) and isinstance(row.get("epoch"), int) and row["epoch"] < before_epoch:
+            kept.append(row)
+        else:
+            later += 1
+    if path.exists():
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+    return {"kept": kept, "dropped_later": later, "dropped_unreadable": torn}
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #5d1ec69d
 class NonFiniteLossError(RuntimeError):
@@ -526,6 +724,51 @@ class NonFiniteGuard:
                 f"stopped and nothing after it was saved. Last good checkpoint: {latest_checkpoint(run_dir) or 'none'}. "
                 "Lower --learning_rate or set --max_grad_norm and resume with --resume_from_checkpoint latest, or "
                 "pass --on_nonfinite_loss skip to skip such steps")
+
+# %% ../notebooks/06_accelerate_fundamentals.ipynb #f25e1ba3
+class StopRequest:
+    """SIGTERM or SIGUSR1, what SLURM and Kubernetes send before they kill a job, turned into a clean stop (06, 11).
+
+    The signal handler only sets a flag; after each optimizer step the loop asks `requested(step)`, then
+    checkpoints and stops. With several processes all must stop at the same step, so the flag is summed
+    over the processes every `every` optimizer steps (one tiny all-reduce and one host sync), and every
+    process learns that some process was asked to stop. Use it as a context manager: the previous
+    handlers are back at exit. `exit_status` is what a process killed by the signal would return (128 +
+    its number: 143 for SIGTERM), so a scheduler still sees a terminated job, with its checkpoint saved."""
+
+    def __init__(self, accelerator, every: int = 10, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")):
+        self.accelerator, self.every, self.signals = accelerator, every, signals
+        self.received: str | None = None  # the signal this process received, if any
+        self.stopped = False              # `requested` said yes: the run stops
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():  # Python sets handlers in the main thread only
+            for name in self.signals:
+                if hasattr(signal, name):
+                    self._previous[name] = signal.signal(getattr(signal, name), self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, handler in self._previous.items():
+            signal.signal(getattr(signal, name), handler)
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def requested(self, step: int) -> bool:
+        """After optimizer step `step`: stop now? The same answer on every process."""
+        if self.accelerator.num_processes == 1:
+            self.stopped = self.received is not None  # one process: no one to agree with, no sync
+        elif step % self.every == 0:
+            flag = torch.tensor([float(self.received is not None)], device=self.accelerator.device)
+            self.stopped = self.accelerator.reduce(flag, "sum").item() > 0
+        return self.stopped
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + getattr(signal, self.received or "SIGTERM")
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #556d5937
 WANDB_MODES = ("online", "offline", "disabled")
