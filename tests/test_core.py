@@ -106,3 +106,93 @@ def test_a_notebook_kernel_deletes_its_scratch_folder_when_it_shuts_down():
         folder = Path(out[0].strip())
         assert folder.parent == tmp
         assert not folder.exists(), "the kernel exited and left its scratch folder behind"
+
+
+# --- Setting up Accelerate (00 section 6): config files, launches and the state inside launched processes
+
+def _isolated_env(tmp_path):
+    """HF_HOME in tmp_path, so no test reads or writes the user's default accelerate config."""
+    return {"HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
+
+
+def test_cpu_launch_config_rewrites_the_launcher_fields_as_yaml_and_keeps_the_rest(tmp_path):
+    import yaml
+    from accelerate.utils import write_basic_config
+
+    from tutorial_lib.core import cpu_launch_config
+
+    source = tmp_path / "default_config.yaml"
+    write_basic_config(mixed_precision="fp16", save_location=str(source))  # what `accelerate config default` writes
+    assert source.read_text().lstrip().startswith("{"), "accelerate writes its default config as JSON"
+    target = tmp_path / "cpu.yaml"
+    returned = cpu_launch_config(source, target, num_processes=3, main_process_port=12345)
+    written = yaml.safe_load(target.read_text())
+    assert written == returned
+    assert written["distributed_type"] == "MULTI_GPU" and written["num_processes"] == 3
+    assert written["num_machines"] == 1 and written["machine_rank"] == 0 and written["main_process_port"] == 12345
+    assert written["mixed_precision"] == "fp16" and written["compute_environment"] == "LOCAL_MACHINE"
+    assert not target.read_text().lstrip().startswith("{"), "the edited file should be YAML"
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5])
+def test_cpu_launch_config_refuses_a_non_positive_number_of_processes(tmp_path, bad):
+    from tutorial_lib.core import cpu_launch_config
+
+    (tmp_path / "c.yaml").write_text("compute_environment: LOCAL_MACHINE\n")
+    with pytest.raises(ValueError, match="num_processes"):
+        cpu_launch_config(tmp_path / "c.yaml", tmp_path / "out.yaml", num_processes=bad)
+
+
+def test_cpu_launch_config_refuses_a_file_that_is_not_a_config(tmp_path):
+    from tutorial_lib.core import cpu_launch_config
+
+    (tmp_path / "c.yaml").write_text("- just\n- a list\n")
+    with pytest.raises(ValueError, match="not an accelerate config"):
+        cpu_launch_config(tmp_path / "c.yaml", tmp_path / "out.yaml")
+
+
+def test_read_process_states_sorts_by_process_index_and_refuses_an_empty_folder(tmp_path):
+    import json
+
+    from tutorial_lib.core import read_process_states
+
+    with pytest.raises(FileNotFoundError, match="state-"):
+        read_process_states(tmp_path)
+    for pid, index in [(30, 1), (10, 0), (20, 0)]:
+        (tmp_path / f"state-{pid}.json").write_text(json.dumps({"process_index": index, "pid": pid}))
+    assert [(r["process_index"], r["pid"]) for r in read_process_states(tmp_path)] == [(0, 10), (0, 20), (1, 30)]
+
+
+def test_config_default_command_writes_the_default_file_under_hf_home(tmp_path):
+    import yaml
+    from accelerate.commands.config.config_args import default_config_file, hf_cache_home
+
+    from tutorial_lib.core import accelerate_cli
+
+    env = _isolated_env(tmp_path)
+    run = accelerate_cli(["config", "default"], env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    expected = Path(env["HF_HOME"]) / Path(default_config_file).relative_to(hf_cache_home)
+    assert expected.is_file() and str(expected) in run.stdout
+    assert yaml.safe_load(expected.read_text())["compute_environment"] == "LOCAL_MACHINE"
+
+
+def test_two_launched_cpu_processes_form_one_group_and_a_flag_beats_the_config_file(tmp_path):
+    from tutorial_lib.core import cpu_launch_config, launch_state_probe
+
+    config = tmp_path / "cpu.yaml"
+    (tmp_path / "base.yaml").write_text("compute_environment: LOCAL_MACHINE\nmixed_precision: 'no'\nuse_cpu: false\n")
+    cpu_launch_config(tmp_path / "base.yaml", config, num_processes=2)
+    states = launch_state_probe(config, tmp_path / "run", flags=["--mixed_precision", "bf16"],
+                                env=_isolated_env(tmp_path), timeout=240)
+    assert [s["process_index"] for s in states] == [0, 1]
+    assert all(s["num_processes"] == 2 and s["env"]["WORLD_SIZE"] == "2" for s in states)  # from the file
+    assert all(s["backend"] == "gloo" and s["distributed_type"] == "MULTI_CPU" for s in states)
+    assert all(s["mixed_precision"] == "bf16" for s in states)  # the flag, over the file's 'no'
+
+
+def test_a_failed_launch_raises_with_the_launcher_error(tmp_path):
+    from tutorial_lib.core import launch_state_probe
+
+    with pytest.raises(RuntimeError, match="does not exist"):
+        launch_state_probe(tmp_path / "missing.yaml", tmp_path / "run", env=_isolated_env(tmp_path), timeout=120)

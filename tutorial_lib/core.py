@@ -22,10 +22,11 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['SMOKE_ENV_VAR', 'IMAGENET_TRAIN_IMAGES', 'RECIPE_EPOCHS', 'PEAK_BF16_TFLOPS', 'positive_int', 'non_negative_int',
-           'positive_float', 'non_negative_float', 'smoke_mode', 'seed_everything', 'in_notebook', 'free_port',
-           'scratch_dir', 'count_training_flops', 'training_time_seconds', 'peak_flops_for', 'mfu', 'peak_memory_bytes',
-           'StepTimer', 'global_batch_size', 'environment_report', 'bf16_supported', 'main', 'number_flag',
+__all__ = ['SMOKE_ENV_VAR', 'IMAGENET_TRAIN_IMAGES', 'RECIPE_EPOCHS', 'PEAK_BF16_TFLOPS', 'STATE_PROBE', 'positive_int',
+           'non_negative_int', 'positive_float', 'non_negative_float', 'smoke_mode', 'seed_everything', 'in_notebook',
+           'free_port', 'scratch_dir', 'count_training_flops', 'training_time_seconds', 'peak_flops_for', 'mfu',
+           'peak_memory_bytes', 'StepTimer', 'global_batch_size', 'environment_report', 'bf16_supported', 'main',
+           'accelerate_cli', 'cpu_launch_config', 'read_process_states', 'launch_state_probe', 'number_flag',
            'OneLineParser', 'HelpFormatter', 'config_path']
 
 # %% ../notebooks/00_introduction.ipynb #a4f4ab1f
@@ -120,7 +121,7 @@ def training_time_seconds(images_per_second: float, images: int = IMAGENET_TRAIN
         raise ValueError(f"images_per_second must be positive, got {images_per_second}")
     return images * epochs / images_per_second
 
-# %% ../notebooks/00_introduction.ipynb #3428c9c5
+# %% ../notebooks/00_introduction.ipynb #5cdb51a9
 # Dense (no sparsity) bf16/fp16 tensor-core peak per GPU, in TFLOP/s, from NVIDIA's datasheets.
 # Longer names first: "A100" must win over "A10", "L40S" over "L4", "H100 PCIe" over "H100".
 # V100 and T4 have no bf16; their entry is the fp16 tensor-core peak.
@@ -171,7 +172,7 @@ def peak_memory_bytes(device: torch.device | str = "cpu") -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS reports bytes, Linux KiB
 
-# %% ../notebooks/00_introduction.ipynb #78bd1304
+# %% ../notebooks/00_introduction.ipynb #267b77f3
 class StepTimer:
     """Per-epoch accounting of a training loop: time waiting for data vs computing, img/s, peak memory, MFU.
 
@@ -291,7 +292,7 @@ def bf16_supported() -> bool:
         return False
 
 
-def main(argv: list[str] | None = None) -> None:
+def main() -> None:
     """Console script `tutorial-lib`: print the library version and what hardware it sees."""
     from tutorial_lib import __version__
 
@@ -299,7 +300,90 @@ def main(argv: list[str] | None = None) -> None:
     for key, value in environment_report().items():
         print(f"  {key:<15} {value}")
 
-# %% ../notebooks/00_introduction.ipynb #8916cb7e
+# %% ../notebooks/00_introduction.ipynb #78cdee42
+import json
+import subprocess
+import sys
+
+
+def accelerate_cli(args: list, env: dict | None = None, timeout: float = 300.0) -> subprocess.CompletedProcess:
+    """Run the `accelerate` command line (`config`, `env`, `launch`, ...) and capture its output.
+
+    Calls `python -m accelerate.commands.accelerate_cli`, the entry point of the `accelerate` script, with this
+    interpreter, so it sees the same packages as the notebook. `env` entries are added to this process's
+    environment (e.g. `HF_HOME`, to keep the default config file out of your home folder). Taught in 00."""
+    cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", *map(str, args)]
+    return subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+
+
+def cpu_launch_config(source: str | Path, target: str | Path, num_processes: int = 2, **changes) -> dict:
+    """Copy an accelerate config file to `target` as YAML, edited to start `num_processes` processes here.
+
+    Reads YAML or the JSON that `accelerate config default` writes (YAML reads JSON). Without GPUs, `accelerate
+    launch` starts several processes only through its torchrun launcher (`distributed_type: MULTI_GPU`); the
+    script then asks for the CPU (`Accelerator(cpu=True)`) and its processes join a gloo group. Taught in 00."""
+    import yaml
+
+    if int(num_processes) != num_processes or num_processes < 1:
+        raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}")
+    config = yaml.safe_load(Path(source).read_text())
+    if not isinstance(config, dict):
+        raise ValueError(f"{source} is not an accelerate config file (expected a mapping of fields)")
+    config.update(distributed_type="MULTI_GPU", num_processes=int(num_processes), num_machines=1, machine_rank=0,
+                  **changes)
+    Path(target).write_text(yaml.safe_dump(config))
+    return config
+
+
+STATE_PROBE = '''"""Record what accelerate set up in this process: <folder>/state-<pid>.json (written by tutorial_lib.core)."""
+import json, os, sys
+from pathlib import Path
+
+from accelerate import Accelerator
+
+folder, cpu = Path(sys.argv[1]), "--cpu" in sys.argv[2:]
+state = Accelerator(cpu=cpu).state
+record = {"num_processes": state.num_processes, "process_index": state.process_index,
+          "local_process_index": state.local_process_index, "mixed_precision": str(state.mixed_precision),
+          "device": str(state.device), "distributed_type": state.distributed_type.value, "backend": state.backend,
+          "pid": os.getpid(),
+          "env": {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                                                  "CUDA_VISIBLE_DEVICES", "ACCELERATE_MIXED_PRECISION",
+                                                  "TORCH_NCCL_ASYNC_ERROR_HANDLING")}}
+folder.mkdir(parents=True, exist_ok=True)
+(folder / f"state-{os.getpid()}.json").write_text(json.dumps(record))
+'''
+
+
+def read_process_states(folder: str | Path) -> list[dict]:
+    """The records `STATE_PROBE` wrote in `folder`, one per process, sorted by process index (then pid)."""
+    records = [json.loads(p.read_text()) for p in Path(folder).glob("state-*.json")]
+    if not records:
+        raise FileNotFoundError(f"no state-*.json in {folder}: no process got as far as writing one")
+    return sorted(records, key=lambda r: (r["process_index"], r["pid"]))
+
+
+def launch_state_probe(config_file: str | Path, folder: str | Path, flags: list | tuple = (), cpu: bool = True,
+                       env: dict | None = None, timeout: float = 300.0) -> list[dict]:
+    """`accelerate launch` the state probe with a config file and flags; return what each process saw.
+
+    The ground truth of a launch is the state *inside* the launched processes, not what the config file says.
+    Runs on a free port unless `flags` choose one; `cpu=True` makes the probe call `Accelerator(cpu=True)`.
+    Raises with the launcher's stderr when the launch fails. Taught in 00."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    script, states = folder / "state_probe.py", folder / "states"
+    script.write_text(STATE_PROBE)
+    shutil.rmtree(states, ignore_errors=True)  # only this launch's records
+    flags = [str(f) for f in flags]
+    port = [] if "--main_process_port" in flags else ["--main_process_port", free_port()]
+    run = accelerate_cli(["launch", "--config_file", config_file, *port, *flags, script, states,
+                          *(["--cpu"] if cpu else [])], env=env, timeout=timeout)
+    if run.returncode != 0:
+        raise RuntimeError(f"accelerate launch failed with exit code {run.returncode}:\n{run.stderr[-3000:]}")
+    return read_process_states(states)
+
+# %% ../notebooks/00_introduction.ipynb #abf5a5d3
 def number_flag(kind: type, low: float | None = None, high: float | None = None, low_open: bool = False,
                 high_open: bool = False, what: str | None = None):
     """An argparse `type=`: parse `kind` (int or float) and refuse values outside `[low, high]` (or the open

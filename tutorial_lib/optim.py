@@ -14,10 +14,10 @@ NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.Loc
 
 
 def parameter_kinds(model: nn.Module) -> dict[str, str]:
-    """Map each trainable parameter's name to its group: "decay", "no_decay_norm" or "no_decay_bias".
+    """Map each trainable parameter's name to its group: "weight", "norm" or "bias".
 
-    Decides by the type of the owning module (taught in 04): a norm layer's weight is "no_decay_norm",
-    any module's `bias` is "no_decay_bias", the rest "decay". Shared parameters are listed once."""
+    Decides by the type of the owning module (taught in 04): a norm layer's weight is "norm", any module's
+    `bias` is "bias", everything else "weight". Shared parameters are listed once."""
     kinds, seen = {}, set()
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
@@ -26,29 +26,33 @@ def parameter_kinds(model: nn.Module) -> dict[str, str]:
             seen.add(id(param))
             full_name = f"{module_name}.{param_name}" if module_name else param_name
             if param_name == "bias":
-                kinds[full_name] = "no_decay_bias"
+                kinds[full_name] = "bias"
             elif isinstance(module, NORM_TYPES):
-                kinds[full_name] = "no_decay_norm"
+                kinds[full_name] = "norm"
             else:
-                kinds[full_name] = "decay"
+                kinds[full_name] = "weight"
     return kinds
 
 
-def param_groups(model: nn.Module, weight_decay: float, norm_weight_decay: float = 0.0,
-                 bias_weight_decay: float = 0.0) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float, norm_weight_decay: float | None = None,
+                 bias_weight_decay: float | None = None) -> list[dict]:
     """Optimizer parameter groups with their own weight decay, grouped by module type.
 
-    Returns `[{"params": [...], "weight_decay": x, "name": ...}]` for "decay", "no_decay_norm" and
-    "no_decay_bias" (empty groups dropped), ready for `torch.optim.SGD(groups, lr=..., momentum=...)`.
-    Every trainable parameter is in exactly one group; frozen ones are left out. Taught in 04."""
-    decays = {"decay": weight_decay, "no_decay_norm": norm_weight_decay, "no_decay_bias": bias_weight_decay}
-    for name, value in decays.items():
+    Returns `[{"params": [...], "weight_decay": x, "name": ...}]` for "weight", "norm" and "bias" (empty
+    groups dropped), ready for `torch.optim.SGD(groups, lr=..., momentum=...)`. `None` (the default) for
+    `norm_weight_decay` or `bias_weight_decay` means `weight_decay`: every parameter decayed, like
+    torchvision's V1 recipe and the training script (08); pass 0.0 to exempt them. Every trainable parameter
+    is in exactly one group; frozen ones are left out. Taught in 04."""
+    decays = {"weight": ("weight_decay", weight_decay),
+              "norm": ("norm_weight_decay", weight_decay if norm_weight_decay is None else norm_weight_decay),
+              "bias": ("bias_weight_decay", weight_decay if bias_weight_decay is None else bias_weight_decay)}
+    for argument, value in decays.values():
         if value < 0:
-            raise ValueError(f"weight decay for group {name!r} must be >= 0, got {value}")
+            raise ValueError(f"{argument} must be >= 0, got {value}")
     kinds = parameter_kinds(model)
     params = dict(model.named_parameters(remove_duplicate=True))
     groups = []
-    for group_name, value in decays.items():
+    for group_name, (_, value) in decays.items():
         members = [params[n] for n, kind in kinds.items() if kind == group_name]
         if members:
             groups.append({"params": members, "weight_decay": value, "name": group_name})
