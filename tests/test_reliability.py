@@ -1,13 +1,15 @@
-"""Reliability and security of `tutorial_lib.train` (issue 7, notebook 11).
+"""Reliability and security of `tutorial_lib.train` (notebook 11).
 
 Every bad input is run through the real command line in its own process (forked from a server that
 imported the library once, so 20 cases cost seconds; two cases also through `python -m
 tutorial_lib.train`) and must exit 2 with exactly one line on stderr and no traceback. Also: safe
 loading (a planted pickle payload is refused and never runs), atomic checkpoints, the NaN/Inf guard,
-W&B without credentials or network, and a dying worker in a 2-process launch."""
+W&B without credentials or network, a dying worker in a 2-process launch; one run per folder, resumes that do
+what the command line says, flag checks before any data is read, SIGTERM, and a full disk."""
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -18,8 +20,8 @@ import torch
 import torchvision
 
 from tutorial_lib.data import IMG_EXTENSIONS
-from tutorial_lib.stress import (as_flags, assert_user_error, child_env, corrupt_image, first_files_of_process,
-                                 make_image_folder, run_cli, sha256_file)
+from tutorial_lib.stress import (CliResult, TrainingProcess, as_flags, assert_user_error, child_env, corrupt_image,
+                                 first_files_of_process, make_image_folder, run_cli, sha256_file)
 from tutorial_lib.accel import MANIFEST, incomplete_checkpoints, latest_checkpoint, list_checkpoints, verify_checkpoint
 
 pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
@@ -386,3 +388,241 @@ def test_one_failing_process_ends_the_whole_two_process_launch_quickly(tmp_path,
     assert seconds < 120, f"the launch took {seconds:.0f} s to give up"
     assert (f"tutorial-train: error (process 1): cannot decode image {victim}: not a recognised image format; delete or "
             "replace the file, or pass --on_bad_file skip") in done.stderr
+
+
+# --- one run per folder -----------------------------------------------------------------------------
+
+def test_a_fresh_run_in_a_folder_holding_a_run_stops_and_changes_nothing(tmp_path, data, finished_run):
+    run = Path(shutil.copytree(finished_run, tmp_path / "runs" / "bad"))
+    before = {p.relative_to(run): sha256_file(p) for p in run.rglob("*") if p.is_file() and p.name != ".run.lock"}
+    assert_user_error(cli(tmp_path, data, epochs=2),
+                      f"{run} already holds a run (checkpoints, metrics.jsonl, model.safetensors, final_metrics.json): "
+                      "resume it with --resume_from_checkpoint latest, give this run another --experiment_name, or "
+                      "pass --overwrite to move the old run aside (nothing is deleted)")
+    after = {p.relative_to(run): sha256_file(p) for p in run.rglob("*") if p.is_file() and p.name != ".run.lock"}
+    assert after == before, "the old run must be left exactly as it was"
+
+
+def test_overwrite_moves_the_old_run_aside_and_never_deletes_it(tmp_path, data, finished_run):
+    run = Path(shutil.copytree(finished_run, tmp_path / "runs" / "bad"))
+    old_weights = sha256_file(run / "model.safetensors")
+    done = cli(tmp_path, data, epochs=1, overwrite=True)
+    assert done.returncode == 0, done.stderr
+    aside = [p for p in run.parent.iterdir() if p.name.startswith("bad.replaced-")]
+    assert len(aside) == 1 and sha256_file(aside[0] / "model.safetensors") == old_weights
+    assert [r["epoch"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [0]
+    assert_user_error(cli(tmp_path, data, overwrite=True, resume_from_checkpoint="latest"),
+                      "--overwrite moves the run in the folder aside and starts a new one; --resume_from_checkpoint "
+                      "continues it: give one of them")
+
+
+def test_latest_resumes_only_checkpoints_of_the_folders_own_run(tmp_path, data, finished_run):
+    """A checkpoint of another run (a copied folder, say) is never picked by `latest`, even with a higher step."""
+    other = cli(tmp_path, data, epochs=3, checkpoint_every_steps=2, experiment_name="other")
+    assert other.returncode == 0, other.stderr
+    run = Path(shutil.copytree(finished_run, tmp_path / "runs" / "bad"))
+    own = latest_checkpoint(run)
+    foreign = latest_checkpoint(tmp_path / "runs" / "other")
+    shutil.copytree(foreign, run / "checkpoints" / foreign.name)
+    assert int(foreign.name[5:]) > int(own.name[5:]) and latest_checkpoint(run).name == foreign.name
+    done = cli(tmp_path, data, epochs=3, checkpoint_every_steps=2, resume_from_checkpoint="latest")
+    assert done.returncode == 0, done.stderr
+    assert f"resumed from {own}:" in done.stdout
+    assert any(line.startswith(f"warning: ignoring checkpoint {run / 'checkpoints' / foreign.name}: it belongs to run")
+               for line in done.stderr_lines), done.stderr
+
+
+def test_a_second_run_at_once_is_refused_and_a_killed_runs_lock_is_taken_over(tmp_path, data):
+    flags = as_flags({**TINY, "path_to_data": data, "working_directory": tmp_path / "runs", "experiment_name": "busy",
+                      "epochs": 200, "checkpoint_every_steps": 2})
+    first = TrainingProcess(flags, tmp_path / "logs" / "first", launcher="fork")
+    try:
+        lock = tmp_path / "runs" / "busy" / ".run.lock"
+        deadline = time.time() + 120
+        while not (lock.exists() and lock.read_text().startswith("pid")) and time.time() < deadline:
+            time.sleep(0.1)
+        assert first.poll() is None, "the first run should still be running"
+        second = run_cli(flags + ["--resume_from_checkpoint", "latest"], timeout=120)
+        assert_user_error(second, f"{tmp_path / 'runs' / 'busy'} is in use by another run ({lock.read_text()}): "
+                                  "wait for it to end, or give this run another --experiment_name")
+    finally:
+        first.kill()  # SIGKILL: its lock file stays behind, its lock does not
+    assert lock.exists()
+    third = run_cli(as_flags({**TINY, "path_to_data": data, "working_directory": tmp_path / "runs",
+                              "experiment_name": "busy", "epochs": 1, "resume_from_checkpoint": "latest"}), timeout=180)
+    assert third.returncode == 0, third.stderr
+
+
+# --- resume does what the command line says ---------------------------------------------------------
+
+def test_nan_recovery_continues_at_the_lower_learning_rate_given_on_resume(tmp_path, data):
+    """The NaN guard's advice, followed: stop at the NaN, resume from the last good checkpoint with a lower LR."""
+    options = dict(**NAN_RUN, lr_scheduler="constant", momentum=0.9, weight_decay=1e-4)
+    assert cli(tmp_path, data, **options, inject_nan_at_steps=[5]).returncode == 3
+    resumed = cli(tmp_path, data, **{**options, "learning_rate": 0.01, "momentum": 0.5, "weight_decay": 0.0},
+                  resume_from_checkpoint="latest")
+    assert resumed.returncode == 0, resumed.stderr
+    run = tmp_path / "runs" / "bad"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in rows] == [0.01, 0.01], "every epoch after the resume runs at the new learning rate"
+    optimizer = torch.load(latest_checkpoint(run) / "optimizer.bin", weights_only=True)
+    assert {(g["lr"], g["momentum"], g["weight_decay"]) for g in optimizer["param_groups"]} == {(0.01, 0.5, 0.0)}
+    changes = json.loads((run / "config.json").read_text())["changes"]
+    assert {"step": 4, "flag": "learning_rate", "from": 0.05, "to": 0.01} in changes, changes
+    assert {"step": 4, "flag": "momentum", "from": 0.9, "to": 0.5} in changes, changes
+
+
+@pytest.mark.parametrize("change", [{"batch_size": 8}, {"gradient_accumulation_steps": 2}])
+def test_epoch_end_resume_with_another_batch_layout_still_ends_the_schedule(tmp_path, data, change):
+    """A cosine schedule keeps its place (epochs done / epochs) under a new layout and ends at --lr_min."""
+    options = dict(epochs=3, lr_scheduler="cosine", checkpoint_every_steps=100)
+    assert cli(tmp_path, data, **options, stop_after_steps=6).returncode == 0  # 24 images / 4 = 6 steps: 1 epoch
+    done = cli(tmp_path, data, **options, **change, resume_from_checkpoint="latest")
+    assert done.returncode == 0, done.stderr
+    final = json.loads((tmp_path / "runs" / "bad" / "final_metrics.json").read_text())
+    assert final["final_lr"] == 0.0, "the schedule must end where it ends"
+    steps_per_epoch = 24 // (change.get("batch_size", 4) * change.get("gradient_accumulation_steps", 1))
+    assert final["scheduler_steps"] == 3 * steps_per_epoch
+
+
+def test_epoch_end_resume_on_two_processes_still_ends_the_schedule(tmp_path, data):
+    options = {**TINY, "path_to_data": data, "working_directory": tmp_path / "runs", "experiment_name": "grow",
+               "epochs": 3, "lr_scheduler": "cosine", "batch_size": 4}
+    assert run_cli(as_flags({**options, "stop_after_steps": 6})).returncode == 0  # 1 process, epoch 0
+    from tutorial_lib.core import free_port
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--main_process_port", str(free_port()), "-m", "tutorial_lib.train",
+           *as_flags({**options, "resume_from_checkpoint": "latest"})]
+    done = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    final = json.loads((tmp_path / "runs" / "grow" / "final_metrics.json").read_text())
+    assert final["num_processes"] == 2 and final["final_lr"] == 0.0
+    assert final["scheduler_steps"] == 3 * 3, "3 steps per epoch per process after the move to 2 processes"
+
+
+def test_a_torn_metrics_file_is_cut_back_on_resume_with_a_warning(tmp_path, data):
+    options = dict(epochs=3, checkpoint_every_steps=100)
+    assert cli(tmp_path, data, **options, stop_after_steps=12).returncode == 0  # after epoch 1
+    metrics = tmp_path / "runs" / "bad" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"epoch": 2, "train_lo')  # a crash in the middle of a line
+    done = cli(tmp_path, data, **options, resume_from_checkpoint="latest")
+    assert done.returncode == 0, done.stderr
+    assert "warning: metrics.jsonl cut back to epoch 2: 0 later and 1 unreadable line(s) dropped" in done.stderr_lines
+    assert [json.loads(line)["epoch"] for line in metrics.read_text().splitlines()] == [0, 1, 2]
+
+
+def test_fp16_on_a_cpu_is_refused(tmp_path, data):
+    assert_user_error(cli(tmp_path, data, mixed_precision="fp16"),
+                      "--mixed_precision fp16 needs a GPU: on a CPU Accelerate has no fp16 autocast and would silently "
+                      "train in fp32; use --mixed_precision bf16 or no")
+
+
+# --- flags that make no sense are refused before any data is read ----------------------------------
+
+@pytest.mark.parametrize("options, message", [
+    (dict(lr_scheduler="onecycle"), "--lr_scheduler onecycle rises during --lr_warmup_epochs: give it more than 0 and "
+                                    "at most half the run (e.g. --lr_warmup_epochs 0.3), not 0"),
+    (dict(lr_warmup_epochs=1), "--lr_warmup_epochs 1 covers the whole run of 1 epochs; use fewer warmup epochs"),
+    (dict(lr_scheduler="multistep"), "--lr_scheduler multistep needs --lr_milestones: increasing epochs below --epochs 1 "
+                                     "at which the LR is multiplied by --step_lr_decay, got []"),
+    (dict(lr_scheduler="cosine", lr_min=0.1), "--lr_min 0.1 must be below --learning_rate 0.05: the cosine schedule "
+                                              "decays from the learning rate down to it"),
+    (dict(step_lr_decay=1.5), "--step_lr_decay must be in (0, 1], got 1.5"),
+    (dict(lr_step_size=0), "--lr_step_size must be a positive number, got 0.0"),
+    (dict(batch_size=1, model="resnet18"), "--batch_size 1 with --model resnet18: BatchNorm normalises over the batch, "
+                                           "so one image per process has no batch statistics; use --batch_size 2 or more"),
+])
+def test_impossible_flag_values_are_refused_before_any_data_is_read(tmp_path, options, message, monkeypatch):
+    from tutorial_lib import train as T
+
+    def no_data(args):
+        raise AssertionError("the data was read before the flags were checked")
+
+    monkeypatch.setattr(T, "load_data", no_data)
+    with pytest.raises(T.BadFlagError) as refused:
+        T.train(T.default_args(**{**TINY, "path_to_data": str(tmp_path), "working_directory": str(tmp_path / "runs"),
+                                  **options}))
+    assert str(refused.value) == message
+    main = cli(tmp_path, tmp_path / "nowhere", **options)  # the command line: one line, exit 2, nothing else
+    assert main.returncode == 2 and len(main.stderr_lines) == 1 and not main.has_traceback
+
+
+def test_a_one_class_dataset_and_accumulation_longer_than_an_epoch_are_refused(tmp_path, data):
+    one = copy_data(data, tmp_path)
+    for split in ("train", "val"):
+        for folder in ["class_01", "class_02"]:
+            shutil.rmtree(one / split / folder)
+    assert_user_error(cli(tmp_path, one), f"--path_to_data {one} has 1 class: a classifier needs two or more")
+    assert_user_error(cli(tmp_path, data, gradient_accumulation_steps=8, experiment_name="acc"),
+                      "--gradient_accumulation_steps 8 but an epoch has only 6 batches per process: lower it, or the "
+                      "--batch_size")
+
+
+# --- signals: finish the step, checkpoint, exit 143 ---------------------------------------------------
+
+@pytest.mark.parametrize("launcher", ["python", "fork"])
+def test_sigterm_mid_epoch_checkpoints_and_the_resumed_run_is_bit_identical(tmp_path, data, launcher):
+    options = {**TINY, "path_to_data": data, "working_directory": tmp_path / "runs", "epochs": 12,
+               "checkpoint_every_steps": 100, "log_interval": 1}
+    straight = run_cli(as_flags({**options, "experiment_name": "straight"}), launcher=launcher)
+    assert straight.returncode == 0, straight.stderr
+    proc = TrainingProcess(as_flags({**options, "experiment_name": "term"}), tmp_path / "logs" / "term", launcher)
+    deadline = time.time() + 120
+    metrics = tmp_path / "runs" / "term" / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().strip()) and time.time() < deadline:  # epoch 0 is done
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGTERM)
+    stopped = proc.result(timeout=120)
+    assert stopped.returncode == 143 and not stopped.has_traceback, (stopped.returncode, stopped.stderr[-2000:])
+    line = [l for l in stopped.stdout.splitlines() if l.startswith("stopped at optimizer step")][-1]
+    assert "(SIGTERM): checkpoint saved, resume with --resume_from_checkpoint latest" in line, line
+    run = tmp_path / "runs" / "term"
+    step = int(line.split()[4].rstrip(","))
+    assert latest_checkpoint(run).name == f"step_{step:09d}"
+    resumed = run_cli(as_flags({**options, "experiment_name": "term", "resume_from_checkpoint": "latest"}),
+                      launcher=launcher)
+    assert resumed.returncode == 0, resumed.stderr
+    assert sha256_file(run / "model.safetensors") == sha256_file(tmp_path / "runs" / "straight" / "model.safetensors")
+
+
+# --- a full disk ---------------------------------------------------------------------------------------
+
+def _can_mount_a_small_disk() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1M tmpfs /mnt"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_a_small_disk(), reason="needs `unshare -rm` to mount a small tmpfs")
+def test_a_full_disk_stops_the_save_with_one_line_and_keeps_the_previous_checkpoint(tmp_path, data):
+    """In a private mount namespace, runs write to a 600 KB tmpfs: the third checkpoint (228 KB each) does not fit. After the
+    disk is grown (as a user who frees space would), the resumed run ends bit-identical to one that never stopped."""
+    flags = as_flags({**TINY, "path_to_data": data, "epochs": 3, "checkpoint_every_steps": 2,
+                      "keep_last_checkpoints": 10})
+    straight = run_cli(flags + ["--working_directory", str(tmp_path / "runs"), "--experiment_name", "straight"])
+    assert straight.returncode == 0, straight.stderr
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = f"""
+mount -t tmpfs -o size=600k tmpfs {disk}
+{sys.executable} -m tutorial_lib.train {' '.join(flags)} --working_directory {disk} --experiment_name full \
+    > {tmp_path}/full.out 2> {tmp_path}/full.err
+echo $? > {tmp_path}/full.code
+cp -r {disk}/full {tmp_path}/after_full
+mount -o remount,size=50m {disk}
+{sys.executable} -m tutorial_lib.train {' '.join(flags)} --working_directory {disk} --experiment_name full \
+    --resume_from_checkpoint latest > {tmp_path}/resumed.out 2> {tmp_path}/resumed.err
+echo $? > {tmp_path}/resumed.code
+cp {disk}/full/model.safetensors {tmp_path}/resumed.safetensors
+"""
+    subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=ROOT, env=child_env(), timeout=300, check=True)
+    full = CliResult(int((tmp_path / "full.code").read_text()), (tmp_path / "full.out").read_text(),
+                     (tmp_path / "full.err").read_text(), 0.0)
+    assert full.returncode == 2 and not full.has_traceback and len(full.stderr_lines) == 1, full.stderr
+    assert full.stderr_lines[0].startswith(f"tutorial-train: error: no space left on the disk of {disk / 'full'} while "
+                                           "saving the checkpoint of step"), full.stderr
+    assert "which is intact)" in full.stderr_lines[0]
+    kept = tmp_path / "after_full"
+    assert not incomplete_checkpoints(kept), "the half-written checkpoint must be removed"
+    verify_checkpoint(latest_checkpoint(kept))  # the previous checkpoint is complete and unaltered
+    assert int((tmp_path / "resumed.code").read_text()) == 0, (tmp_path / "resumed.err").read_text()
+    assert sha256_file(tmp_path / "resumed.safetensors") == sha256_file(tmp_path / "runs" / "straight" / "model.safetensors")

@@ -149,8 +149,9 @@ def test_accumulation_8x4_gives_the_same_weights_as_batch_32(tmp_path):
 def test_outputs_metrics_lines_and_checkpoint_rotation(tmp_path):
     result = run(tmp_path, "out", batch_size=8, epochs=3, keep_last_checkpoints=2, checkpoint_every_steps=4)
     run_dir = tmp_path / "out"
-    assert {"checkpoints", "metrics.jsonl", "model.safetensors", "wandb_run_id.txt", "config.json",
+    assert {"checkpoints", "metrics.jsonl", "model.safetensors", "config.json",
             "final_metrics.json"} <= {p.name for p in run_dir.iterdir()}
+    assert not (run_dir / "wandb_run_id.txt").exists(), "--log_with none: no W&B file"
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["epoch"] for r in rows] == [0, 1, 2]
     for row in rows:
@@ -163,7 +164,7 @@ def test_outputs_metrics_lines_and_checkpoint_rotation(tmp_path):
     final_ckpt = weights(latest_checkpoint(run_dir))
     assert bitwise_equal(final_ckpt, weights(run_dir))  # model.safetensors = final weights, model only
     assert json.loads((run_dir / "config.json").read_text())["global_batch_size"] == 8
-    assert (run_dir / "wandb_run_id.txt").read_text().strip() == result["wandb_run_id"]
+    assert json.loads((run_dir / "config.json").read_text())["run_id"] == result["wandb_run_id"]
 
 
 def test_shipped_accelerate_configs_and_slurm_script_are_valid():

@@ -361,9 +361,10 @@ def _disk_full_message(run_dir: Path, what: str) -> str:
     previous = latest_checkpoint(run_dir)
     need = sum(f.stat().st_size for f in previous.iterdir()) if previous else 0
     free = shutil.disk_usage(run_dir).free
-    return (f"no space left on the disk of {run_dir} while saving {what}: it needs about {need / 2**20:.0f} MB "
-            f"({free / 2**20:.0f} MB free); free some space, then resume with --resume_from_checkpoint latest "
-            f"(the previous checkpoint, {previous.name if previous else 'none'}, is intact)")
+    where = f"from {previous.name}, which is intact" if previous else "from the start: no checkpoint was saved yet"
+    return (f"no space left on the disk of {run_dir} while saving {what}: a checkpoint needs about "
+            f"{max(need, 1) / 2**20:.1f} MB, {free / 2**20:.1f} MB are free; free some space, then resume with "
+            f"--resume_from_checkpoint latest ({where})")
 
 
 def follow_umask(path: str | os.PathLike) -> None:
