@@ -328,6 +328,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                            'tutorial_lib/precision.py'),
                                         'tutorial_lib.precision.decode_bits': ( 'mixed_precision.html#decode_bits',
                                                                                 'tutorial_lib/precision.py'),
+                                        'tutorial_lib.precision.draw_bit_layout': ( 'mixed_precision.html#draw_bit_layout',
+                                                                                    'tutorial_lib/precision.py'),
                                         'tutorial_lib.precision.finfo_table': ( 'mixed_precision.html#finfo_table',
                                                                                 'tutorial_lib/precision.py'),
                                         'tutorial_lib.precision.float_bits': ( 'mixed_precision.html#float_bits',
