@@ -123,59 +123,67 @@ def run_ddp_gradient_check(num_processes: int = 2, global_batch: int = 16, seed:
     }
 
 # %% ../notebooks/02_parallelism.ipynb #ae4f9f1b
-def ddp_timeline_worker(out_dir: str, bucket_cap_mb: float = 25.0, steps: int = 2, batch_size: int = 4,
+def ddp_timeline_worker(out_dir: str, bucket_caps_mb: Sequence[float] = (25.0,), steps: int = 2, batch_size: int = 4,
                         img_size: int = 32, arch: str = "resnet50", seed: int = 0) -> None:
-    """Run by each process under `debug_launcher`: `steps` DDP steps of a torchvision model, recorded in time (02).
+    """Run by each process under `debug_launcher`: `steps` DDP steps of a torchvision model per bucket size, recorded (02).
 
-    Saves to `out_dir/rank{i}.pt`, per step, the forward and backward times and when the first and
-    the last parameter gradient was ready, plus the `CommHookRecorder` events (one per bucket)."""
+    For each `bucket_cap_mb` in `bucket_caps_mb` (one `Accelerator` each, same initial weights), saves
+    to `out_dir/rank{i}.pt`, per step, the forward and backward times and when the first and the last
+    parameter gradient was ready, plus the `CommHookRecorder` events (one per bucket)."""
     import torchvision
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
-    accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=bucket_cap_mb)])
-    rank = accelerator.process_index
     torch.manual_seed(seed)
-    model = accelerator.prepare(torchvision.models.get_model(arch, num_classes=10))
-    recorder = CommHookRecorder()
-    model.register_comm_hook(None, recorder.hook)                # every bucket's all-reduce goes through it
-    ready: list[float] = []
-    for p in accelerator.unwrap_model(model).parameters():
-        p.register_post_accumulate_grad_hook(lambda p: ready.append(time.perf_counter()))
-    inputs, targets = toy_batch(batch_size, img_size=img_size, seed=seed + rank)   # this process's shard
+    initial = torchvision.models.get_model(arch, num_classes=10)
     loss_fn = nn.CrossEntropyLoss()
-    recorded = []
-    for step in range(steps):
-        recorder.step = step
-        ready.clear()
-        t0 = time.perf_counter()
-        loss = loss_fn(model(inputs), targets)
-        t1 = time.perf_counter()
-        loss.backward()                                          # returns once every bucket is all-reduced
-        t2 = time.perf_counter()
-        recorded.append({"step": step, "forward": (t0, t1), "backward": (t1, t2),
-                         "first_gradient": min(ready), "last_gradient": max(ready)})
-        model.zero_grad(set_to_none=True)
-    torch.save({"rank": rank, "steps": recorded, "events": recorder.events,
-                "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters())},
-               Path(out_dir) / f"rank{rank}.pt")
+    runs = {}
+    for cap in bucket_caps_mb:
+        accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=cap)])
+        rank = accelerator.process_index
+        model = accelerator.prepare(copy.deepcopy(initial))
+        recorder = CommHookRecorder()
+        model.register_comm_hook(None, recorder.hook)            # every bucket's all-reduce goes through it
+        ready: list[float] = []
+        for p in accelerator.unwrap_model(model).parameters():
+            p.register_post_accumulate_grad_hook(lambda p: ready.append(time.perf_counter()))
+        inputs, targets = toy_batch(batch_size, img_size=img_size, seed=seed + rank)   # this process's shard
+        recorded = []
+        for step in range(steps):
+            recorder.step = step
+            ready.clear()
+            t0 = time.perf_counter()
+            loss = loss_fn(model(inputs), targets)
+            t1 = time.perf_counter()
+            loss.backward()                                      # returns once every bucket is all-reduced
+            t2 = time.perf_counter()
+            recorded.append({"step": step, "forward": (t0, t1), "backward": (t1, t2),
+                             "first_gradient": min(ready), "last_gradient": max(ready)})
+            model.zero_grad(set_to_none=True)
+        runs[cap] = {"rank": rank, "steps": recorded, "events": recorder.events,
+                     "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+    torch.save(runs, Path(out_dir) / f"rank{rank}.pt")
 
 
-def run_ddp_timeline(bucket_cap_mb: float = 25.0, steps: int = 2, num_processes: int = 2, batch_size: int = 4,
-                     img_size: int = 32, arch: str = "resnet50", seed: int = 0) -> dict:
-    """Launch `ddp_timeline_worker` on `num_processes` CPU processes (gloo); return what each recorded (02).
+def run_ddp_timeline(bucket_caps_mb: Sequence[float] = (25.0, 5.0), steps: int = 2, num_processes: int = 2,
+                     batch_size: int = 4, img_size: int = 32, arch: str = "resnet50", seed: int = 0) -> dict:
+    """Launch `ddp_timeline_worker` on `num_processes` CPU processes (gloo); return, per bucket size, what each recorded (02).
 
-    Adds `buckets_per_step` (hook calls in each step, per process) and `bucket_mib` (the sizes of the
-    last step's buckets, process 0)."""
+    Each entry has `ranks` (every process's steps and events), `buckets_per_step` (hook calls in each
+    step, per process) and `bucket_mib` (the sizes of the last step's buckets, process 0)."""
     from accelerate import debug_launcher
 
     with tempfile.TemporaryDirectory() as out_dir:
         debug_launcher(ddp_timeline_worker, num_processes=num_processes,
-                       args=(out_dir, bucket_cap_mb, steps, batch_size, img_size, arch, seed))
-        ranks = [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(num_processes)]
-    return {"bucket_cap_mb": bucket_cap_mb, "ranks": ranks,
-            "buckets_per_step": [[sum(e["step"] == s for e in r["events"]) for s in range(steps)] for r in ranks],
-            "bucket_mib": [e["bytes"] / 2**20 for e in ranks[0]["events"] if e["step"] == steps - 1]}
+                       args=(out_dir, tuple(bucket_caps_mb), steps, batch_size, img_size, arch, seed))
+        per_rank = [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(num_processes)]
+    out = {}
+    for cap in bucket_caps_mb:
+        ranks = [runs[cap] for runs in per_rank]
+        out[cap] = {"bucket_cap_mb": cap, "ranks": ranks,
+                    "buckets_per_step": [[sum(e["step"] == s for e in r["events"]) for s in range(steps)] for r in ranks],
+                    "bucket_mib": [e["bytes"] / 2**20 for e in ranks[0]["events"] if e["step"] == steps - 1]}
+    return out
 
 # %% ../notebooks/02_parallelism.ipynb #20c0e0cc
 def ring_allreduce(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
@@ -458,7 +466,8 @@ def fsdp_step_worker(out_dir: str, global_batch: int = 8, img_size: int = 32, lr
 
     FSDP: `fully_shard` on every module whose class is named `wrap`, then on the whole model.
     Saves to `out_dir/rank{i}.pt` the local shapes of the sharded parameters and momentum buffers,
-    the collectives counted per phase, both updated parameter sets and DDP's gradients."""
+    the collectives counted per phase, and for every parameter the largest difference between the
+    two updated values with its tolerance."""
     import torchvision
     from accelerate import Accelerator
     from torch.distributed.fsdp import fully_shard
@@ -470,9 +479,8 @@ def fsdp_step_worker(out_dir: str, global_batch: int = 8, img_size: int = 32, lr
     x, y = inputs[rank * per_process:(rank + 1) * per_process], targets[rank * per_process:(rank + 1) * per_process]
     loss_fn = nn.CrossEntropyLoss()
 
-    def new_model() -> nn.Module:
-        torch.manual_seed(seed)
-        return torchvision.models.get_model(arch, num_classes=10)
+    torch.manual_seed(seed)
+    initial = torchvision.models.get_model(arch, num_classes=10)     # both runs start from copies of it
 
     def one_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> CollectiveCounter:
         with CollectiveCounter() as counter:
@@ -484,28 +492,35 @@ def fsdp_step_worker(out_dir: str, global_batch: int = 8, img_size: int = 32, lr
             optimizer.step()
         return counter
 
-    ddp_model = accelerator.prepare(new_model())
+    ddp_model = accelerator.prepare(copy.deepcopy(initial))
     ddp_optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr, momentum=0.9)
     ddp_comm = one_step(ddp_model, ddp_optimizer)
     ddp_named = dict(accelerator.unwrap_model(ddp_model).named_parameters())
 
-    model = new_model()
+    model = copy.deepcopy(initial)
     units = [m for m in model.modules() if type(m).__name__ == wrap]
     for unit in units:
         fully_shard(unit)                        # one FSDP unit per block: gathered and freed on its own
     fully_shard(model)                           # the rest (stem, classifier) in the root unit
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)   # on the shards: sharded state
     fsdp_comm = one_step(model, optimizer)
+    # compare here, on each process, rather than saving two copies of every parameter: the gradient
+    # sums of n terms may be reordered (n·u, section 1), the SGD step scales that by lr, and storing the
+    # new weight rounds once more (u × its size)
+    num_terms, u = longest_gradient_sum(initial, x), torch.finfo(torch.float32).eps / 2
+    diff, tolerance = {}, {}
+    for name, p in model.named_parameters():
+        full, ddp_p = p.full_tensor().detach(), ddp_named[name].detach()      # full_tensor: an all-gather
+        diff[name] = (full - ddp_p).abs().max().item()
+        tolerance[name] = (lr * summation_tolerance(num_terms) * ddp_named[name].grad.abs().max().item()
+                           + u * ddp_p.abs().max().item())
     torch.save({
         "rank": rank, "num_processes": world_size, "num_units": len(units) + 1, "num_threads": torch.get_num_threads(),
         "shapes": {n: (tuple(p.shape), tuple(p.to_local().shape)) for n, p in model.named_parameters()},
         "momentum_shapes": {n: tuple(optimizer.state[p]["momentum_buffer"].to_local().shape)
                             for n, p in model.named_parameters()},
-        "ddp_calls": ddp_comm.calls, "fsdp_calls": fsdp_comm.calls,
-        "ddp_params": {n: p.detach().clone() for n, p in ddp_named.items()},
-        "ddp_grad_max": {n: p.grad.abs().max().item() for n, p in ddp_named.items()},
-        "fsdp_params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
-        "num_terms": longest_gradient_sum(new_model(), x),
+        "ddp_calls": ddp_comm.calls, "fsdp_calls": fsdp_comm.calls, "max_abs_diff": diff, "tolerance": tolerance,
+        "num_terms": num_terms, "param_bytes": sum(p.numel() * p.element_size() for p in ddp_named.values()),
     }, Path(out_dir) / f"rank{rank}.pt")
 
 
@@ -524,18 +539,14 @@ def run_fsdp_step_comparison(num_processes: int = 2, global_batch: int = 8, img_
         debug_launcher(fsdp_step_worker, num_processes=num_processes,
                        args=(out_dir, global_batch, img_size, lr, seed, arch, wrap))
         ranks = [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(num_processes)]
-    r0, u = ranks[0], torch.finfo(torch.float32).eps / 2
-    grad_tol = summation_tolerance(r0["num_terms"])
+    r0 = ranks[0]
     return {
         "num_processes": [r["num_processes"] for r in ranks], "num_threads": [r["num_threads"] for r in ranks],
         "num_units": r0["num_units"], "shapes": [r["shapes"] for r in ranks],
         "momentum_shapes": [r["momentum_shapes"] for r in ranks],
         "counts": {which: collective_counts(r0[f"{which}_calls"]) for which in ("ddp", "fsdp")},
         "bytes": {which: collective_bytes(r0[f"{which}_calls"]) for which in ("ddp", "fsdp")},
-        "max_abs_diff": {n: max((r["fsdp_params"][n] - r["ddp_params"][n]).abs().max().item() for r in ranks)
-                         for n in r0["ddp_params"]},
-        "tolerance": {n: lr * grad_tol * r0["ddp_grad_max"][n] + u * r0["ddp_params"][n].abs().max().item()
-                      for n in r0["ddp_params"]},
-        "num_terms": r0["num_terms"], "grad_tolerance": grad_tol,
-        "param_bytes": sum(p.numel() * p.element_size() for p in r0["ddp_params"].values()),
+        "max_abs_diff": {n: max(r["max_abs_diff"][n] for r in ranks) for n in r0["max_abs_diff"]},
+        "tolerance": {n: min(r["tolerance"][n] for r in ranks) for n in r0["tolerance"]},
+        "num_terms": r0["num_terms"], "param_bytes": r0["param_bytes"],
     }
