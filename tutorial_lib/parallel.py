@@ -470,7 +470,10 @@ def fsdp_step_worker(out_dir: str, global_batch: int = 8, img_size: int = 32, lr
     two updated values with its tolerance."""
     import torchvision
     from accelerate import Accelerator
-    from torch.distributed.fsdp import fully_shard
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:                                          # torch < 2.6 keeps FSDP2 here
+        from torch.distributed._composable.fsdp import fully_shard
 
     accelerator = Accelerator(cpu=True)
     rank, world_size = accelerator.process_index, accelerator.num_processes
