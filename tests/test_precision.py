@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from tutorial_lib.precision import (FORMATS, autocast_output_dtypes, decode_bits, finfo_table, float_bits,
-                                    sequential_sum, spacing)
+from tutorial_lib.precision import (FORMATS, autocast_output_dtypes, decode_bits, draw_bit_layout, finfo_table,
+                                    float_bits, sequential_sum, spacing)
 
 
 @pytest.mark.parametrize("dtype", list(FORMATS))
@@ -82,3 +82,54 @@ def test_fp16_gradients_underflow_without_loss_scaling_and_bf16_ones_do_not():
     assert torch.count_nonzero(grad(torch.float16)) == 0
     assert rel_error(grad(torch.float16, 2.0 ** 16)) < 1e-3
     assert rel_error(grad(torch.bfloat16)) < 1e-2
+
+
+def _drawn_fields(ax):
+    drawn = {}
+    for t in ax.texts:
+        if t.get_gid():
+            name, field, i = t.get_gid().split("|")
+            drawn.setdefault(name, {}).setdefault(field, {})[int(i)] = t.get_text()
+    return {name: {f: "".join(bits[i] for i in sorted(bits)) for f, bits in fields.items()}
+            for name, fields in drawn.items()}
+
+
+@pytest.mark.parametrize("x", [-0.1, 3.0, 65504.0, 1e-6])
+def test_draw_bit_layout_draws_each_formats_fields_and_they_decode_to_the_stored_value(x):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    draw_bit_layout(ax, x)
+    drawn = _drawn_fields(ax)
+    plt.close(fig)
+    widths = {"float32": (1, 8, 23), "float16": (1, 5, 10), "bfloat16": (1, 8, 7)}
+    assert set(drawn) == set(widths)
+    for dtype in FORMATS:
+        name = str(dtype).replace("torch.", "")
+        fields = drawn[name]
+        assert tuple(len(fields[f]) for f in ("sign", "exponent", "mantissa")) == widths[name]
+        assert decode_bits(fields["sign"], fields["exponent"], fields["mantissa"]) == torch.tensor(x).to(dtype).item()
+
+
+def test_bf16_rounding_error_is_at_most_2_to_the_minus_8_and_reaches_it_above_a_power_of_two():
+    u = 2.0 ** -8
+    x = torch.tensor([1 + u * 1.001, 1.5 + u * 0.999, 3.0], dtype=torch.float64)   # just past / before midpoints
+    err = ((x.to(torch.bfloat16).double() - x).abs() / x)
+    assert (err <= u).all()
+    assert err[0] > 0.99 * u                   # just above 1: the largest relative error
+    assert err[1] < 0.7 * u                    # higher in the binade the same absolute error is relatively smaller
+    assert err[2] == 0
+
+
+def test_notebook_03_states_bf16_precision_one_way():
+    # one statement: spacing 0.39-0.78 %, largest rounding error 2^-8 = 0.39 %; never the old "0.4 %" / "0.8 %"
+    import json
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).parents[1] / "notebooks" / "03_mixed_precision.ipynb").read_text())
+    text = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    for stale in ("0.4 %", "0.8 %", "≈ 0.8", "usual 0.4"):
+        assert stale not in text, stale
+    assert "0.39–0.78 %" in text and "2⁻⁸ ≈ 0.39 %" in text

@@ -170,7 +170,8 @@ def test_outputs_metrics_lines_and_checkpoint_rotation(tmp_path):
 def test_shipped_accelerate_configs_and_slurm_script_are_valid():
     from accelerate.commands.config.config_args import load_config_from_file
 
-    expected = {"1gpu.yaml": (1, 1), "8gpus.yaml": (8, 1), "2nodes_8gpus.yaml": (16, 2), "cpu_2proc.yaml": (2, 1)}
+    expected = {"1gpu.yaml": (1, 1), "8gpus.yaml": (8, 1), "2nodes_8gpus.yaml": (16, 2), "cpu_2proc.yaml": (2, 1),
+                "fsdp_8gpus.yaml": (8, 1)}
     for name, (processes, machines) in expected.items():
         config = load_config_from_file(str(config_path(name)))
         assert (config.num_processes, config.num_machines) == (processes, machines), name

@@ -3,6 +3,9 @@
 # %% ../notebooks/01_gradient_accumulation.ipynb #dfc2b6ad
 from __future__ import annotations
 
+import tempfile
+import time
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -13,7 +16,8 @@ from .core import global_batch_size
 # %% auto #0
 __all__ = ['activation_bytes', 'training_state_bytes', 'accumulation_steps_for', 'make_toy_cnn', 'toy_batch',
            'split_micro_batches', 'accumulate_gradients', 'gradient_snapshot', 'max_abs_difference',
-           'accumulation_windows', 'loss_scale', 'is_optimizer_step', 'train_epoch_with_accumulation']
+           'accumulation_windows', 'loss_scale', 'is_optimizer_step', 'train_epoch_with_accumulation',
+           'CommHookRecorder', 'draw_timeline', 'accumulation_timeline_worker', 'run_accumulation_timeline']
 
 # %% ../notebooks/01_gradient_accumulation.ipynb #46183f50
 def activation_bytes(model: nn.Module, inputs: torch.Tensor) -> int:
@@ -156,3 +160,123 @@ def train_epoch_with_accumulation(model: nn.Module, optimizer: torch.optim.Optim
             optimizer.zero_grad(set_to_none=True)                     # start the next window from zero
             steps += 1
     return steps
+
+# %% ../notebooks/01_gradient_accumulation.ipynb #e894888e
+class CommHookRecorder:
+    """A DDP communication hook that all-reduces each gradient bucket, as DDP's default does, and records when.
+
+    Register it with `ddp_model.register_comm_hook(None, recorder.hook)`. Each bucket DDP hands over
+    adds one event to `events`: `step` (set `recorder.step` before each backward), the bucket's index
+    and size in bytes, `start` (when DDP handed it over) and `end` (when its all-reduce finished), in
+    `time.perf_counter()` seconds, one clock for all processes of a machine. Used in 01 (accumulation)
+    and 02 (the timeline of a DDP step)."""
+
+    def __init__(self):
+        self.events: list[dict] = []
+        self.step = 0
+
+    def hook(self, state, bucket):   # no return annotation: DDP accepts none or Future[Tensor], not a string
+        import torch.distributed as dist
+
+        buffer = bucket.buffer()                               # this bucket's gradients, flattened
+        event = {"step": self.step, "bucket": bucket.index(), "bytes": buffer.numel() * buffer.element_size(),
+                 "start": time.perf_counter(), "end": None}
+        self.events.append(event)
+        buffer.div_(dist.get_world_size())                     # sum of the averages = the average
+        future = dist.all_reduce(buffer, async_op=True).get_future()
+
+        def finished(fut):
+            event["end"] = time.perf_counter()
+            return fut.value()[0]                              # DDP copies this back into the .grad tensors
+
+        return future.then(finished)
+
+
+def draw_timeline(ax, bars: Sequence[dict], lanes: Sequence[str], colors: dict[str, str],
+                  min_width: float = 0.004) -> float:
+    """Draw `bars` (dicts with "lane", "kind", "start", "end", times in seconds) as a timeline in ms, one row per lane.
+
+    Times count from the earliest start, which is returned. Bars shorter than `min_width` of the whole
+    span are drawn that wide so that they stay visible (their true times are in `bars`). Used for the
+    recorded timelines of 01 and 02."""
+    origin = min(b["start"] for b in bars)
+    span = max(b["end"] for b in bars) - origin
+    for b in bars:
+        width = max(b["end"] - b["start"], min_width * span)
+        ax.broken_barh([((b["start"] - origin) * 1e3, width * 1e3)], (lanes.index(b["lane"]) - 0.35, 0.7),
+                       facecolors=colors[b["kind"]], edgecolors="white", linewidth=0.5)
+    for kind, color in colors.items():
+        ax.bar(0, 0, color=color, label=kind)                 # one legend entry per kind
+    ax.set_yticks(range(len(lanes)))
+    ax.set_yticklabels(lanes)
+    ax.set_ylim(len(lanes) - 0.5, -0.5)
+    ax.set_xlabel("time since the first recorded event (ms)")
+    return origin
+
+# %% ../notebooks/01_gradient_accumulation.ipynb #a0663e89
+def accumulation_timeline_worker(out_dir: str, gradient_accumulation_steps: int = 4, num_optimizer_steps: int = 2,
+                                 batch_size: int = 8, width: int = 32, seed: int = 0) -> None:
+    """Run by each process under `debug_launcher`: accumulation with `accelerator.accumulate` on a DDP model,
+    recording when each micro-step computes and when DDP all-reduces (01).
+
+    Saves to `out_dir/rank{i}.pt` the micro-steps (forward and backward times, `sync_gradients`), the
+    communication hook's events and every micro-step's gradients."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from torch.utils.data import DataLoader, TensorDataset
+
+    # A forked worker inherits the launching process's accelerate state (a notebook that already built an
+    # Accelerator, as section 4 did): start from a clean one, so that this process joins the process group.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    k = gradient_accumulation_steps
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=k)
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    inputs, targets = toy_batch(batch_size * k * num_optimizer_steps * world_size, seed=seed)
+    loader = DataLoader(TensorDataset(inputs, targets), batch_size=batch_size)
+    model = make_toy_cnn(norm="none", width=width, seed=seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)   # DDP model, sharded loader
+    recorder = CommHookRecorder()
+    model.register_comm_hook(None, recorder.hook)
+    loss_fn = nn.CrossEntropyLoss()
+    micro_steps, grads = [], []
+    for i, (x, y) in enumerate(loader):
+        recorder.step = i
+        with accelerator.accumulate(model):        # no_sync() on all but the last micro-step of a window
+            t0 = time.perf_counter()
+            loss = loss_fn(model(x), y)
+            t1 = time.perf_counter()
+            accelerator.backward(loss)
+            t2 = time.perf_counter()
+            micro_steps.append({"micro_step": i, "forward": (t0, t1), "backward": (t1, t2),
+                                "sync_gradients": accelerator.sync_gradients})
+            grads.append(gradient_snapshot(accelerator.unwrap_model(model)))
+            optimizer.step()                         # skipped by accelerate until the window is complete
+            optimizer.zero_grad()
+    torch.save({"rank": rank, "num_processes": world_size, "micro_steps": micro_steps, "events": recorder.events,
+                "grads": grads, "num_threads": torch.get_num_threads()}, Path(out_dir) / f"rank{rank}.pt")
+
+
+def run_accumulation_timeline(gradient_accumulation_steps: int = 4, num_optimizer_steps: int = 2,
+                              num_processes: int = 2, batch_size: int = 8, width: int = 32, seed: int = 0) -> dict:
+    """Launch `accumulation_timeline_worker` on `num_processes` CPU processes (gloo) and summarise what it recorded (01).
+
+    Returns each process's micro-steps and hook events, the number of all-reduces (hook calls) in
+    every micro-step, and whether the processes held identical gradients after each micro-step."""
+    from accelerate import debug_launcher
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        debug_launcher(accumulation_timeline_worker, num_processes=num_processes,
+                       args=(out_dir, gradient_accumulation_steps, num_optimizer_steps, batch_size, width, seed))
+        ranks = [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(num_processes)]
+    num_micro_steps = len(ranks[0]["micro_steps"])
+    return {
+        "ranks": ranks,
+        "num_processes": [r["num_processes"] for r in ranks],
+        "sync_gradients": [[m["sync_gradients"] for m in r["micro_steps"]] for r in ranks],
+        "allreduces_per_micro_step": [[sum(e["step"] == i for e in r["events"]) for i in range(num_micro_steps)]
+                                      for r in ranks],
+        "grads_equal_across_processes": [all(max_abs_difference(r["grads"][i], ranks[0]["grads"][i]) == 0
+                                             for r in ranks) for i in range(num_micro_steps)],
+    }

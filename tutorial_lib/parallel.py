@@ -5,18 +5,24 @@ from __future__ import annotations
 
 import copy
 import tempfile
+import time
 from pathlib import Path
 from typing import Sequence
 
 import torch
 from torch import nn
 
-from .accumulation import gradient_snapshot, make_toy_cnn, max_abs_difference, toy_batch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .accumulation import CommHookRecorder, gradient_snapshot, make_toy_cnn, max_abs_difference, toy_batch
 
 # %% auto #0
-__all__ = ['ddp_gradient_worker', 'run_ddp_gradient_check', 'ring_allreduce', 'ring_allreduce_bytes', 'naive_allreduce_bytes',
+__all__ = ['ZERO_STAGES', 'ddp_gradient_worker', 'summation_tolerance', 'longest_gradient_sum', 'run_ddp_gradient_check',
+           'ddp_timeline_worker', 'run_ddp_timeline', 'ring_allreduce', 'ring_allreduce_bytes', 'naive_allreduce_bytes',
            'ring_allreduce_seconds', 'resnet_stages', 'pipeline_devices', 'PipelineModel', 'pipeline_schedule',
-           'idle_fraction', 'bubble_fraction', 'ColumnParallelLinear', 'RowParallelLinear']
+           'idle_fraction', 'bubble_fraction', 'ColumnParallelLinear', 'RowParallelLinear', 'sharded_state_bytes',
+           'sharded_traffic_bytes', 'CollectiveCounter', 'collective_counts', 'collective_bytes', 'fsdp_step_worker',
+           'run_fsdp_step_comparison']
 
 # %% ../notebooks/02_parallelism.ipynb #0f0990ff
 def ddp_gradient_worker(out_dir: str, global_batch: int = 16, seed: int = 0) -> None:
@@ -43,15 +49,47 @@ def ddp_gradient_worker(out_dir: str, global_batch: int = 16, seed: int = 0) -> 
     loss_fn(model(inputs[indices]), targets[indices]).backward()  # DDP averages the gradients here
     torch.save({"rank": rank, "num_processes": accelerator.num_processes, "indices": indices,
                 "local": local, "synced": gradient_snapshot(accelerator.unwrap_model(model)),
-                "weights": accelerator.unwrap_model(model).state_dict()},
+                "weights": accelerator.unwrap_model(model).state_dict(), "num_threads": torch.get_num_threads()},
                Path(out_dir) / f"rank{rank}.pt")
+
+
+def summation_tolerance(num_terms: int, dtype: torch.dtype = torch.float32) -> float:
+    """Relative tolerance for two sums of `num_terms` terms added in different orders: n · u (02).
+
+    u = eps / 2 is the unit roundoff (2**-24 for float32): each addition rounds to within u of its
+    result, so reordering a sum of n terms moves it by at most about n · u times the magnitude of its
+    terms, the worst case in which every rounding errs the same way (Higham, *Accuracy and Stability
+    of Numerical Algorithms*, 2nd ed., section 4.2)."""
+    if num_terms < 1:
+        raise ValueError(f"num_terms must be >= 1, got {num_terms}")
+    return num_terms * torch.finfo(dtype).eps / 2
+
+
+def longest_gradient_sum(model: nn.Module, inputs: torch.Tensor) -> int:
+    """Most terms summed into one entry of a parameter gradient in the backward pass of `model(inputs)` (02).
+
+    A weight-gradient entry adds one product per sample and output position: for every module with
+    parameters of its own (convolution, linear, normalisation) that is its output's size divided by
+    its number of channels (dimension 1). Runs one forward pass without gradients."""
+    sizes: list[int] = []
+    hooks = [m.register_forward_hook(lambda mod, inp, out: sizes.append(out.numel() // out.shape[1]))
+             for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
+    try:
+        with torch.no_grad():
+            model(inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return max(sizes)
 
 
 def run_ddp_gradient_check(num_processes: int = 2, global_batch: int = 16, seed: int = 0) -> dict:
     """Launch `ddp_gradient_worker` on `num_processes` CPU processes (gloo) and compare with one process.
 
-    Returns the shards each process saw and the largest gradient differences: local (no all-reduce)
-    and synced (after DDP) vs the single-process gradient of the whole batch. Taught in 02."""
+    Returns the shards each process saw and the largest gradient differences, local (no all-reduce)
+    and synced (after DDP) vs the single-process gradient of the whole batch: absolute, and relative
+    to the largest entry of each tensor (`*_relative`, the worst tensor), with the `tolerance` that the
+    summation order allows (`summation_tolerance` of `num_terms`). Taught in 02."""
     from accelerate import debug_launcher
 
     if global_batch % num_processes:
@@ -65,14 +103,87 @@ def run_ddp_gradient_check(num_processes: int = 2, global_batch: int = 16, seed:
     inputs, targets = toy_batch(global_batch, seed=seed)
     nn.CrossEntropyLoss()(reference_model(inputs), targets).backward()   # one process, the full batch
     reference = gradient_snapshot(reference_model)
+    num_terms = longest_gradient_sum(reference_model, inputs)
+
+    def relative(grads: dict[str, torch.Tensor]) -> float:
+        return max((grads[n] - g).abs().max().item() / g.abs().max().item() for n, g in reference.items())
+
     return {
         "num_processes": [r["num_processes"] for r in ranks],
         "shards": [r["indices"].tolist() for r in ranks],
         "local_vs_full": [max_abs_difference(r["local"], reference) for r in ranks],
         "synced_vs_full": [max_abs_difference(r["synced"], reference) for r in ranks],
+        "local_vs_full_relative": [relative(r["local"]) for r in ranks],
+        "synced_vs_full_relative": [relative(r["synced"]) for r in ranks],
+        "num_terms": num_terms,
+        "tolerance": summation_tolerance(num_terms),
         "weights_equal_rank0": all(torch.equal(r["weights"][k], reference_model.state_dict()[k])
                                    for r in ranks for k in r["weights"]),
+        "num_threads": [r["num_threads"] for r in ranks],
     }
+
+# %% ../notebooks/02_parallelism.ipynb #ae4f9f1b
+def ddp_timeline_worker(out_dir: str, bucket_caps_mb: Sequence[float] = (25.0,), steps: int = 2, batch_size: int = 4,
+                        img_size: int = 32, arch: str = "resnet50", seed: int = 0) -> None:
+    """Run by each process under `debug_launcher`: `steps` DDP steps of a torchvision model per bucket size, recorded (02).
+
+    For each `bucket_cap_mb` in `bucket_caps_mb` (one `Accelerator` each, same initial weights), saves
+    to `out_dir/rank{i}.pt`, per step, the forward and backward times and when the first and the last
+    parameter gradient was ready, plus the `CommHookRecorder` events (one per bucket)."""
+    import torchvision
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    torch.manual_seed(seed)
+    initial = torchvision.models.get_model(arch, num_classes=10)
+    loss_fn = nn.CrossEntropyLoss()
+    runs = {}
+    for cap in bucket_caps_mb:
+        accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=cap)])
+        rank = accelerator.process_index
+        model = accelerator.prepare(copy.deepcopy(initial))
+        recorder = CommHookRecorder()
+        model.register_comm_hook(None, recorder.hook)            # every bucket's all-reduce goes through it
+        ready: list[float] = []
+        for p in accelerator.unwrap_model(model).parameters():
+            p.register_post_accumulate_grad_hook(lambda p: ready.append(time.perf_counter()))
+        inputs, targets = toy_batch(batch_size, img_size=img_size, seed=seed + rank)   # this process's shard
+        recorded = []
+        for step in range(steps):
+            recorder.step = step
+            ready.clear()
+            t0 = time.perf_counter()
+            loss = loss_fn(model(inputs), targets)
+            t1 = time.perf_counter()
+            loss.backward()                                      # returns once every bucket is all-reduced
+            t2 = time.perf_counter()
+            recorded.append({"step": step, "forward": (t0, t1), "backward": (t1, t2),
+                             "first_gradient": min(ready), "last_gradient": max(ready)})
+            model.zero_grad(set_to_none=True)
+        runs[cap] = {"rank": rank, "steps": recorded, "events": recorder.events,
+                     "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+    torch.save(runs, Path(out_dir) / f"rank{rank}.pt")
+
+
+def run_ddp_timeline(bucket_caps_mb: Sequence[float] = (25.0, 5.0), steps: int = 2, num_processes: int = 2,
+                     batch_size: int = 4, img_size: int = 32, arch: str = "resnet50", seed: int = 0) -> dict:
+    """Launch `ddp_timeline_worker` on `num_processes` CPU processes (gloo); return, per bucket size, what each recorded (02).
+
+    Each entry has `ranks` (every process's steps and events), `buckets_per_step` (hook calls in each
+    step, per process) and `bucket_mib` (the sizes of the last step's buckets, process 0)."""
+    from accelerate import debug_launcher
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        debug_launcher(ddp_timeline_worker, num_processes=num_processes,
+                       args=(out_dir, tuple(bucket_caps_mb), steps, batch_size, img_size, arch, seed))
+        per_rank = [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(num_processes)]
+    out = {}
+    for cap in bucket_caps_mb:
+        ranks = [runs[cap] for runs in per_rank]
+        out[cap] = {"bucket_cap_mb": cap, "ranks": ranks,
+                    "buckets_per_step": [[sum(e["step"] == s for e in r["events"]) for s in range(steps)] for r in ranks],
+                    "bucket_mib": [e["bytes"] / 2**20 for e in ranks[0]["events"] if e["step"] == steps - 1]}
+    return out
 
 # %% ../notebooks/02_parallelism.ipynb #20c0e0cc
 def ring_allreduce(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
@@ -268,3 +379,177 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"expected {len(self.shards)} input slices, got {len(pieces)}")
         y = sum(shard(piece) for shard, piece in zip(self.shards, pieces))   # all-reduce of partial sums
         return y + self.bias if self.bias is not None else y               # bias added once, not per shard
+
+# %% ../notebooks/02_parallelism.ipynb #ae941d43
+ZERO_STAGES = {0: "DDP (no sharding)", 1: "ZeRO-1: optimizer state", 2: "ZeRO-2: + gradients",
+               3: "ZeRO-3 / FSDP: + parameters"}
+
+
+def sharded_state_bytes(num_params: float, world_size: int, stage: int, param_bytes: float = 2,
+                        grad_bytes: float = 2, optimizer_bytes: float = 12) -> dict[str, float]:
+    """Bytes of parameters, gradients and optimizer state per GPU under ZeRO `stage` 0 (DDP) to 3 (02).
+
+    Stage 1 shards the optimizer state over `world_size` processes, stage 2 also the gradients,
+    stage 3 also the parameters. The defaults are the ZeRO paper's mixed-precision AdamW: 2 + 2 bytes
+    of half-precision parameters and gradients, 12 bytes of fp32 master weights, momentum and variance."""
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"stage must be one of {list(ZERO_STAGES)}, got {stage}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    per_gpu = {"parameters": param_bytes / (world_size if stage >= 3 else 1),
+               "gradients": grad_bytes / (world_size if stage >= 2 else 1),
+               "optimizer state": optimizer_bytes / (world_size if stage >= 1 else 1)}
+    out = {k: v * num_params for k, v in per_gpu.items()}
+    out["total"] = sum(out.values())
+    return out
+
+
+def sharded_traffic_bytes(num_bytes: float, world_size: int, stage: int) -> float:
+    """Bytes each GPU sends per step for `num_bytes` of gradients under ZeRO `stage` (ring algorithms, 02).
+
+    Stages 0-2: a reduce-scatter plus an all-gather = one all-reduce, 2 (N - 1)/N × S. Stage 3 adds an
+    all-gather of the parameters for the backward pass: 3 (N - 1)/N × S."""
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"stage must be one of {list(ZERO_STAGES)}, got {stage}")
+    return ring_allreduce_bytes(num_bytes, world_size) * (1.5 if stage == 3 else 1.0)
+
+# %% ../notebooks/02_parallelism.ipynb #d4334a9c
+def _collective_kind(name: str) -> str:
+    for key, kind in [("allgather", "all-gather"), ("reduce_scatter", "reduce-scatter"), ("allreduce", "all-reduce"),
+                      ("broadcast", "broadcast")]:
+        if key in name:
+            return kind
+    return name
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Records the collectives (`c10d` operations) run inside `with CollectiveCounter() as counter:` (02).
+
+    Each call is stored as {"phase", "kind", "bytes"}: `phase` is whatever `counter.phase` was set to,
+    `kind` "all-gather", "reduce-scatter", "all-reduce" or "broadcast", `bytes` the size of the largest
+    tensor involved, i.e. the full size of what is gathered, scattered or reduced. Works on CPU (gloo):
+    DDP's and FSDP's collectives both pass through PyTorch's dispatcher."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase = ""
+        self.calls: list[dict] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            tensors = [t for a in (*args, *(kwargs or {}).values())
+                       for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
+            self.calls.append({"phase": self.phase, "kind": _collective_kind(func.overloadpacket.__name__),
+                               "bytes": max((t.numel() * t.element_size() for t in tensors), default=0)})
+        return func(*args, **(kwargs or {}))
+
+
+def collective_counts(calls: list[dict]) -> dict[tuple[str, str], int]:
+    """Number of collectives per (phase, kind) in `CollectiveCounter.calls` (02)."""
+    out: dict[tuple[str, str], int] = {}
+    for c in calls:
+        out[c["phase"], c["kind"]] = out.get((c["phase"], c["kind"]), 0) + 1
+    return out
+
+
+def collective_bytes(calls: list[dict]) -> dict[str, int]:
+    """Full size of everything moved per kind of collective in `CollectiveCounter.calls` (02)."""
+    out: dict[str, int] = {}
+    for c in calls:
+        out[c["kind"]] = out.get(c["kind"], 0) + c["bytes"]
+    return out
+
+
+def fsdp_step_worker(out_dir: str, global_batch: int = 8, img_size: int = 32, lr: float = 0.1, seed: int = 0,
+                     arch: str = "resnet50", wrap: str = "Bottleneck") -> None:
+    """Run by each process under `debug_launcher`: one SGD step of the same model with DDP and with FSDP2 (02).
+
+    FSDP: `fully_shard` on every module whose class is named `wrap`, then on the whole model.
+    Saves to `out_dir/rank{i}.pt` the local shapes of the sharded parameters and momentum buffers,
+    the collectives counted per phase, and for every parameter the largest difference between the
+    two updated values with its tolerance."""
+    import torchvision
+    from accelerate import Accelerator
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:                                          # torch < 2.6 keeps FSDP2 here
+        from torch.distributed._composable.fsdp import fully_shard
+
+    accelerator = Accelerator(cpu=True)
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    inputs, targets = toy_batch(global_batch, img_size=img_size, seed=seed)
+    per_process = global_batch // world_size
+    x, y = inputs[rank * per_process:(rank + 1) * per_process], targets[rank * per_process:(rank + 1) * per_process]
+    loss_fn = nn.CrossEntropyLoss()
+
+    torch.manual_seed(seed)
+    initial = torchvision.models.get_model(arch, num_classes=10)     # both runs start from copies of it
+
+    def one_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> CollectiveCounter:
+        with CollectiveCounter() as counter:
+            counter.phase = "forward"
+            loss = loss_fn(model(x), y)
+            counter.phase = "backward"
+            loss.backward()
+            counter.phase = "optimizer step"
+            optimizer.step()
+        return counter
+
+    ddp_model = accelerator.prepare(copy.deepcopy(initial))
+    ddp_optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr, momentum=0.9)
+    ddp_comm = one_step(ddp_model, ddp_optimizer)
+    ddp_named = dict(accelerator.unwrap_model(ddp_model).named_parameters())
+
+    model = copy.deepcopy(initial)
+    units = [m for m in model.modules() if type(m).__name__ == wrap]
+    for unit in units:
+        fully_shard(unit)                        # one FSDP unit per block: gathered and freed on its own
+    fully_shard(model)                           # the rest (stem, classifier) in the root unit
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)   # on the shards: sharded state
+    fsdp_comm = one_step(model, optimizer)
+    # compare here, on each process, rather than saving two copies of every parameter: the gradient
+    # sums of n terms may be reordered (n·u, section 1), the SGD step scales that by lr, and storing the
+    # new weight rounds once more (u × its size)
+    num_terms, u = longest_gradient_sum(initial, x), torch.finfo(torch.float32).eps / 2
+    diff, tolerance = {}, {}
+    for name, p in model.named_parameters():
+        full, ddp_p = p.full_tensor().detach(), ddp_named[name].detach()      # full_tensor: an all-gather
+        diff[name] = (full - ddp_p).abs().max().item()
+        tolerance[name] = (lr * summation_tolerance(num_terms) * ddp_named[name].grad.abs().max().item()
+                           + u * ddp_p.abs().max().item())
+    torch.save({
+        "rank": rank, "num_processes": world_size, "num_units": len(units) + 1, "num_threads": torch.get_num_threads(),
+        "shapes": {n: (tuple(p.shape), tuple(p.to_local().shape)) for n, p in model.named_parameters()},
+        "momentum_shapes": {n: tuple(optimizer.state[p]["momentum_buffer"].to_local().shape)
+                            for n, p in model.named_parameters()},
+        "ddp_calls": ddp_comm.calls, "fsdp_calls": fsdp_comm.calls, "max_abs_diff": diff, "tolerance": tolerance,
+        "num_terms": num_terms, "param_bytes": sum(p.numel() * p.element_size() for p in ddp_named.values()),
+    }, Path(out_dir) / f"rank{rank}.pt")
+
+
+def run_fsdp_step_comparison(num_processes: int = 2, global_batch: int = 8, img_size: int = 32, lr: float = 0.1,
+                             seed: int = 0, arch: str = "resnet50", wrap: str = "Bottleneck") -> dict:
+    """Launch `fsdp_step_worker` on `num_processes` CPU processes (gloo) and compare FSDP with DDP (02).
+
+    Returns the sharded shapes, the collectives counted per phase (calls and bytes), and for every
+    parameter the largest difference between FSDP's and DDP's updated values with its `tolerance`:
+    lr × n·u × the largest gradient entry, plus one rounding of the weight (u × its largest entry)."""
+    from accelerate import debug_launcher
+
+    if global_batch % num_processes:
+        raise ValueError(f"global_batch={global_batch} must be divisible by num_processes={num_processes}")
+    with tempfile.TemporaryDirectory() as out_dir:
+        debug_launcher(fsdp_step_worker, num_processes=num_processes,
+                       args=(out_dir, global_batch, img_size, lr, seed, arch, wrap))
+        ranks = [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(num_processes)]
+    r0 = ranks[0]
+    return {
+        "num_processes": [r["num_processes"] for r in ranks], "num_threads": [r["num_threads"] for r in ranks],
+        "num_units": r0["num_units"], "shapes": [r["shapes"] for r in ranks],
+        "momentum_shapes": [r["momentum_shapes"] for r in ranks],
+        "counts": {which: collective_counts(r0[f"{which}_calls"]) for which in ("ddp", "fsdp")},
+        "bytes": {which: collective_bytes(r0[f"{which}_calls"]) for which in ("ddp", "fsdp")},
+        "max_abs_diff": {n: max(r["max_abs_diff"][n] for r in ranks) for n in r0["max_abs_diff"]},
+        "tolerance": {n: min(r["tolerance"][n] for r in ranks) for n in r0["tolerance"]},
+        "num_terms": r0["num_terms"], "param_bytes": r0["param_bytes"],
+    }

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 # %% auto #0
-__all__ = ['FORMATS', 'float_bits', 'decode_bits', 'finfo_table', 'spacing', 'sequential_sum', 'autocast_output_dtypes']
+__all__ = ['FORMATS', 'FIELD_COLORS', 'float_bits', 'decode_bits', 'draw_bit_layout', 'finfo_table', 'spacing', 'sequential_sum',
+           'autocast_output_dtypes']
 
 # %% ../notebooks/03_mixed_precision.ipynb #d903bbf5
 FORMATS = {torch.float32: (8, 23), torch.float16: (5, 10), torch.bfloat16: (8, 7)}
@@ -37,6 +38,42 @@ def decode_bits(sign: str, exponent: str, mantissa: str) -> float:
     if e == 0:  # subnormal: no implicit 1, fixed smallest exponent
         return (-1) ** s * 2.0 ** (1 - bias) * (m / 2 ** M)
     return (-1) ** s * 2.0 ** (e - bias) * (1 + m / 2 ** M)
+
+# %% ../notebooks/03_mixed_precision.ipynb #7ffde066
+FIELD_COLORS = {"sign": "#d62728", "exponent": "#1f77b4", "mantissa": "#2ca02c"}
+
+
+def draw_bit_layout(ax, x: float, dtypes=(torch.float32, torch.float16, torch.bfloat16)) -> None:
+    """Draw the sign, exponent and mantissa bits of `x` stored in each of `dtypes`, one row per format (03).
+
+    The bits come from `float_bits`; each bit's text artist carries the gid "dtype|field|index", so a
+    check can read back what was drawn. The right margin gives the value the bits decode to."""
+    from matplotlib.patches import Rectangle
+
+    short = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    for row, dtype in enumerate(dtypes):
+        name, y = str(dtype).replace("torch.", ""), -1.5 * row             # rows 1.5 apart: room for the labels
+        b = float_bits(x, dtype)
+        E, M = len(b["exponent"]), len(b["mantissa"])
+        position = 0
+        for field in ("sign", "exponent", "mantissa"):
+            bits = b[field]
+            for i, bit in enumerate(bits):
+                ax.add_patch(Rectangle((position, y - 0.4), 1, 0.8, facecolor=FIELD_COLORS[field],
+                                       alpha=0.85 if bit == "1" else 0.3, edgecolor="white"))
+                ax.text(position + 0.5, y, bit, ha="center", va="center", fontsize=7, gid=f"{name}|{field}|{i}")
+                position += 1
+            label = {"sign": "s", "exponent": f"exponent ({E})", "mantissa": f"mantissa ({M})"}[field]
+            ax.text(position - len(bits) / 2, y + 0.5, label, ha="center", va="bottom", fontsize=7)
+        bias = 2 ** (E - 1) - 1
+        e, m = int(b["exponent"], 2), int(b["mantissa"], 2)
+        ax.text(33, y, f"{short[dtype]}: (−1)^{b['sign']} × 2^({e} − {bias}) × (1 + {m}/2^{M})\n"
+                          f"= {decode_bits(b['sign'], b['exponent'], b['mantissa']):.12g}",
+                va="center", fontsize=8)
+    ax.set_xlim(-0.5, 52)
+    ax.set_ylim(-1.5 * (len(dtypes) - 1) - 0.6, 1.0)
+    ax.set_xlabel("bit position, from the most significant (sign) bit")
+    ax.set_yticks([])
 
 # %% ../notebooks/03_mixed_precision.ipynb #aa7cfef6
 def finfo_table(dtypes=(torch.float32, torch.float16, torch.bfloat16)) -> list[dict]:
