@@ -29,13 +29,14 @@ from .core import free_port
 
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'MANIFEST', 'PROGRESS_FILE', 'RUN_LOCK', 'RUN_OUTPUTS', 'WANDB_MODES', 'launch_with_timeout',
-           'MetricsLogger', 'read_metrics', 'format_metrics_table', 'ClassificationMetrics', 'merge_metrics',
-           'UserInputError', 'MissingPathError', 'CheckpointError', 'checkpoint_root', 'list_checkpoints',
-           'incomplete_checkpoints', 'latest_checkpoint', 'fsync_path', 'atomic_write_text', 'sha256_file',
-           'model_signature', 'DiskFullError', 'follow_umask', 'save_checkpoint', 'save_final_model',
-           'verify_checkpoint', 'load_checkpoint', 'resolve_resume_path', 'RunFolderError', 'RunLock', 'run_outputs',
-           'claim_run_folder', 'cut_metrics', 'NonFiniteLossError', 'NonFiniteGuard', 'StopRequest',
-           'wandb_api_key_configured', 'resolve_wandb_mode', 'start_wandb']
+           'MetricsLogger', 'read_metrics', 'format_metrics_table', 'LaunchError', 'overlapping_copies',
+           'build_accelerator', 'ClassificationMetrics', 'merge_metrics', 'UserInputError', 'MissingPathError',
+           'CheckpointError', 'checkpoint_root', 'list_checkpoints', 'incomplete_checkpoints', 'latest_checkpoint',
+           'fsync_path', 'atomic_write_text', 'sha256_file', 'model_signature', 'DiskFullError', 'follow_umask',
+           'save_checkpoint', 'save_final_model', 'verify_checkpoint', 'load_checkpoint', 'resolve_resume_path',
+           'RunFolderError', 'RunLock', 'run_outputs', 'claim_run_folder', 'write_run_config', 'cut_metrics',
+           'NonFiniteLossError', 'NonFiniteGuard', 'StopRequest', 'wandb_api_key_configured', 'resolve_wandb_mode',
+           'start_wandb']
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #8f8d11a1
 def launch_with_timeout(fn, args: tuple = (), num_processes: int = 2, timeout: float | None = None,
@@ -148,6 +149,50 @@ def format_metrics_table(rows: list[dict]) -> str:
         lines.append(f"{r['epoch']:>5} {r['train_loss']:>10.4f} {r['train_top1']:>9.2f}% {r['val_loss']:>9.4f} "
                      f"{r['val_top1']:>7.2f}% {r['val_top5']:>7.2f}% {r['lr']:>9.3g} {r['images_per_sec']:>8.1f}")
     return "\n".join(lines)
+
+# %% ../notebooks/06_accelerate_fundamentals.ipynb #f813dc8a
+class LaunchError(UserInputError):
+    """A launch that cannot do what was asked (processes that are not connected, fp16 on a CPU)."""
+
+
+def overlapping_copies(cpu: bool = False) -> bool:
+    """Whether batches go to the device with non-blocking copies: on CUDA only. Non-blocking copies to
+    Apple's MPS have silently corrupted data (pytorch/pytorch#139550), and on a CPU there is no copy
+    (why they matter: 07, 10)."""
+    return torch.cuda.is_available() and not cpu
+
+
+def build_accelerator(cpu: bool = False, mixed_precision: str | None = None, gradient_accumulation_steps: int = 1,
+                      log_with: str | None = None, project_dir: str | os.PathLike | None = None):
+    """The `Accelerator` of a training run (08, and 10's benchmark of its step).
+
+    Forgets a previous `Accelerator` of this process first (several runs in one notebook). Steps the
+    scheduler only when told (`step_scheduler_with_optimizer=False`, 05/08), copies batches to the GPU
+    without waiting, and refuses what would silently not happen: fp16 on a CPU (Accelerate would run
+    fp32) and launched processes that did not join one group."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
+
+    AcceleratorState._reset_state(reset_partial_state=False)  # keeps the process group of a launched process
+    GradientState._reset_state()
+    accelerator = Accelerator(
+        cpu=cpu, mixed_precision=mixed_precision,  # None: what `accelerate config`/launch says, else fp32
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        step_scheduler_with_optimizer=False,  # the training script steps it once per optimizer step
+        log_with=log_with, project_config=ProjectConfiguration(project_dir=str(project_dir), logging_dir=str(project_dir))
+        if project_dir else None,
+        # a blocking copy would wait for the whole previous step: the GPU would idle while Python fetches the batch
+        dataloader_config=DataLoaderConfiguration(non_blocking=overlapping_copies(cpu)),
+    )
+    if accelerator.device.type == "cpu" and accelerator.mixed_precision == "fp16":
+        raise LaunchError("--mixed_precision fp16 needs a GPU: on a CPU Accelerate has no fp16 autocast and would "
+                          "silently train in fp32; use --mixed_precision bf16 or no")
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > accelerator.num_processes:  # e.g. `accelerate launch --multi_gpu` on a CPU box without --cpu
+        raise RuntimeError(f"{launched} processes were launched but they are not connected (each sees "
+                           f"{accelerator.num_processes}); on a machine without GPUs pass --cpu to the script")
+    return accelerator
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #85562c80
 class _LossAndCount(torchmetrics.Metric):
@@ -617,9 +662,23 @@ def run_outputs(run_dir: str | os.PathLike) -> list[str]:
     return found
 
 
-def claim_run_folder(run_dir: str | os.PathLike, fresh: bool, overwrite: bool = False) -> RunLock:
-    """Lock `run_dir` for this run (main process only). A `fresh` run refuses a folder that holds another run,
-    unless `overwrite` moves that run aside first (`<name>.replaced-<time>`, nothing deleted)."""
+def claim_run_folder(run_dir: str | os.PathLike, fresh: bool, overwrite: bool = False, accelerator=None) -> RunLock | None:
+    """Lock `run_dir` for this run. A `fresh` run refuses a folder that holds another run, unless `overwrite`
+    moves that run aside first (`<name>.replaced-<time>`, nothing deleted). With an `accelerator`, the main
+    process claims and every process raises the same `RunFolderError` (the others get None)."""
+    if accelerator is not None:
+        from accelerate.utils import broadcast_object_list
+
+        lock, refusal = None, None
+        if accelerator.is_main_process:
+            try:
+                lock = claim_run_folder(run_dir, fresh, overwrite)
+            except RunFolderError as err:
+                refusal = str(err)
+        refusal = broadcast_object_list([refusal])[0]
+        if refusal:
+            raise RunFolderError(refusal)
+        return lock
     run_dir = Path(run_dir)
     lock = RunLock(run_dir)
     lock.acquire()
@@ -638,6 +697,19 @@ def claim_run_folder(run_dir: str | os.PathLike, fresh: bool, overwrite: bool = 
         print(f"moved the previous run in {run_dir} to {aside}", flush=True)
         return new_lock
     return lock
+
+
+def write_run_config(run_dir: str | os.PathLike, config: dict, step: int, watched: tuple[str, ...]) -> list[dict]:
+    """Write `<run>/config.json` atomically. When the same run (same `run_id`) is resumed, the `watched` settings
+    that changed are appended to its `changes`: `{"step", "flag", "from", "to"}`. Returns the changes."""
+    path = Path(run_dir) / "config.json"
+    before = json.loads(path.read_text()) if path.is_file() else {}
+    changes = []
+    if before.get("run_id") == config.get("run_id"):  # a resume of this run, not a new one
+        changes = before.get("changes", []) + [{"step": step, "flag": k, "from": before[k], "to": config[k]}
+                                               for k in watched if k in before and before[k] != config[k]]
+    atomic_write_text(path, json.dumps({**config, "changes": changes}, indent=2, default=str))
+    return changes
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #76049e21
 def cut_metrics(path: str | os.PathLike, before_epoch: int) -> dict:

@@ -14,7 +14,7 @@ from torch import nn
 from .core import global_batch_size
 
 # %% auto #0
-__all__ = ['activation_bytes', 'training_state_bytes', 'accumulation_steps_for', 'make_toy_cnn', 'toy_batch',
+__all__ = ['activation_bytes', 'training_state_bytes', 'accumulation_steps_for', 'make_toy_cnn', 'toy_batch', 'TinyCNN',
            'split_micro_batches', 'accumulate_gradients', 'gradient_snapshot', 'max_abs_difference',
            'accumulation_windows', 'loss_scale', 'is_optimizer_step', 'train_epoch_with_accumulation',
            'CommHookRecorder', 'draw_timeline', 'accumulation_timeline_worker', 'run_accumulation_timeline']
@@ -77,6 +77,21 @@ def toy_batch(batch_size: int, img_size: int = 16, num_classes: int = 10, seed: 
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(batch_size, 3, img_size, img_size, generator=g),
             torch.randint(0, num_classes, (batch_size,), generator=g))
+
+
+class TinyCNN(nn.Sequential):
+    """Three 3×3 convolutions and a linear head, without any normalisation layer.
+
+    The training script's `--model tinycnn` (08): its tests compare set-ups that must give the same
+    gradients (accumulation here, DDP in 02), which BatchNorm's per-batch statistics would break."""
+
+    def __init__(self, num_classes: int = 10, width: int = 16):
+        super().__init__(
+            nn.Conv2d(3, width, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+            nn.Conv2d(2 * width, 4 * width, 3, padding=1), nn.ReLU(inplace=True),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * width, num_classes),
+        )
 
 # %% ../notebooks/01_gradient_accumulation.ipynb #47a9d55c
 def split_micro_batches(inputs: torch.Tensor, targets: torch.Tensor,

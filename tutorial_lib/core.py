@@ -415,14 +415,18 @@ non_negative_float = number_flag(float, 0)
 
 class OneLineParser(argparse.ArgumentParser):
     """An `ArgumentParser` whose errors are one line, `prog: error: ...`, exit status 2, without the usage
-    block; abbreviated flags are refused (`--lr` must not silently mean `--lr_scheduler`)."""
+    block; abbreviated flags are refused (`--lr` must not silently mean `--lr_scheduler`). With `error_type`,
+    an error raises that exception instead (for flags parsed inside a program)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, error_type: type[Exception] | None = None, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.error_type = error_type
 
     def error(self, message: str):
         message = re.sub(r"^argument (\S+?)(/\S+)?: ", r"\1 ", message)  # "argument --epochs: must..." -> "--epochs must..."
+        if self.error_type is not None:
+            raise self.error_type(message)
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

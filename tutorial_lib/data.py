@@ -36,9 +36,9 @@ __all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'IMG_EXTENSIONS', 'VAL_DIR_NAMES', '
            'resized_crop_uint8', 'FastTrainTransform', 'FastValTransform', 'imagenet_mean_std_255',
            'normalize_on_device', 'ImageFolderDataset', 'build_datasets', 'EpochSeededSampler', 'stack_images',
            'collate_images', 'build_loaders', 'EpochSeededDataset', 'seeded_subset', 'progressive_resolution',
-           'resize_batch', 'overlapping_copies', 'list_images', 'benchmark_pipelines', 'run_data_benchmark',
-           'format_data_benchmark', 'print_data_benchmark', 'EncodedTransform', 'collate_encoded',
-           'decode_jpegs_on_cuda', 'decode_batch_on_device', 'get_args_parser', 'main']
+           'resize_batch', 'list_images', 'benchmark_pipelines', 'run_data_benchmark', 'format_data_benchmark',
+           'print_data_benchmark', 'EncodedTransform', 'collate_encoded', 'decode_jpegs_on_cuda',
+           'decode_batch_on_device', 'get_args_parser', 'main']
 
 # %% ../notebooks/07_data_pipeline.ipynb #16adf964
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -771,13 +771,6 @@ def resize_batch(images: Tensor, res: int) -> Tensor:
     out = torch.nn.functional.interpolate(images, size=(res, res), mode="bilinear", align_corners=False,
                                           antialias=True)
     return out.contiguous(memory_format=torch.channels_last) if channels_last else out
-
-
-def overlapping_copies(cpu: bool = False) -> bool:
-    """Whether batches go to the device with non-blocking copies: on CUDA only. Non-blocking copies to
-    Apple's MPS have silently corrupted data (pytorch/pytorch#139550), and on a CPU there is no copy
-    (the training script's loader copies, 08; why they matter, 10)."""
-    return torch.cuda.is_available() and not cpu
 
 # %% ../notebooks/07_data_pipeline.ipynb #759babae
 def list_images(folder: str | os.PathLike) -> list[str]:

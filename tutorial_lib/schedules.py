@@ -11,7 +11,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 # %% auto #0
-__all__ = ['SCHEDULES', 'lr_factor', 'build_scheduler', 'lr_curve', 'num_optimizer_steps', 'scaled_lr']
+__all__ = ['SCHEDULES', 'lr_factor', 'build_scheduler', 'lr_curve', 'num_optimizer_steps', 'move_schedule', 'scaled_lr']
 
 # %% ../notebooks/05_lr_schedules.ipynb #340e4fc0
 SCHEDULES = ("constant", "step", "multistep", "cosine", "linear", "onecycle")
@@ -103,6 +103,19 @@ def num_optimizer_steps(batches_per_epoch: int, gradient_accumulation_steps: int
         if int(value) != value or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return math.ceil(batches_per_epoch / gradient_accumulation_steps) * int(epochs)
+
+# %% ../notebooks/05_lr_schedules.ipynb #fc1f852c
+def move_schedule(scheduler: LRScheduler, step: int, base_lrs: list[float] | None = None) -> None:
+    """Put a `build_scheduler` schedule at optimizer step `step`, with new peak LRs `base_lrs` if given.
+
+    The optimizer's LRs become what `LambdaLR` computes there; a resumed run whose layout or learning
+    rate changed calls it (08)."""
+    if base_lrs is not None:
+        scheduler.base_lrs = list(base_lrs)
+    scheduler.last_epoch = int(step)
+    for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"] = base, base * factor(step)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
 # %% ../notebooks/05_lr_schedules.ipynb #edb8113e
 def scaled_lr(global_batch_size: int, base_lr: float = 0.1, reference_batch_size: int = 256) -> float:
