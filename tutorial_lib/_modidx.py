@@ -229,6 +229,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'tutorial_lib.data._size': ('data_pipeline.html#_size', 'tutorial_lib/data.py'),
                                    'tutorial_lib.data._stack_sample_images': ( 'data_pipeline.html#_stack_sample_images',
                                                                                'tutorial_lib/data.py'),
+                                   'tutorial_lib.data._unpack_archives': ('data_pipeline.html#_unpack_archives', 'tutorial_lib/data.py'),
                                    'tutorial_lib.data._unpack_class': ('data_pipeline.html#_unpack_class', 'tutorial_lib/data.py'),
                                    'tutorial_lib.data._unreadable': ('data_pipeline.html#_unreadable', 'tutorial_lib/data.py'),
                                    'tutorial_lib.data.benchmark_pipelines': ( 'data_pipeline.html#benchmark_pipelines',

@@ -1040,8 +1040,9 @@ class _Progress:
         elif time.monotonic() - self.last >= self.interval:
             self.last = time.monotonic()
             rate = self.done / max(self.last - self.start, 1e-9)
-            print(f"{self.desc}: {_size(self.done)} of {_size(self.total)} ({100 * self.done / self.total:.0f} %), "
-                  f"{rate / 1e6:.1f} MB/s, {(self.total - self.done) / rate / 60:.0f} min left", file=self.file, flush=True)
+            left = f"{(self.total - self.done) / rate / 60:.0f} min left" if rate > 0 else "starting"
+            print(f"{self.desc}: {_size(self.done)} of {_size(self.total)} ({100 * self.done / max(self.total, 1):.0f} %), "
+                  f"{rate / 1e6:.1f} MB/s, {left}", file=self.file, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -1116,6 +1117,7 @@ def write_shards(root: str | os.PathLike, out_dir: str | os.PathLike, shard_mb: 
     if not shard_mb > 0 or rows_per_group < 1:
         raise ValueError(f"need shard_mb > 0 and rows_per_group >= 1, got {shard_mb} and {rows_per_group}")
     train_dir, val_dir = find_split_dirs(root)
+    log(f"{root}: listing the images and their sizes …")
     classes, train = scan_image_folder(train_dir)
     val_classes, val = scan_image_folder(val_dir)
     if classes != val_classes:
@@ -1453,6 +1455,16 @@ def from_archives(archive_dir: str | os.PathLike, out_dir: str | os.PathLike, lo
         raise FileNotFoundError(f"{archive_dir} has no {', '.join(missing)} (it holds: {_listing(archive_dir)}): "
                                 "download the ILSVRC2012 archives from image-net.org into it")
     devkit = read_devkit(paths["devkit"])
+    try:
+        return _unpack_archives(paths, devkit, out, log, progress_interval)
+    except (tarfile.TarError, EOFError) as err:  # a truncated or damaged download
+        raise DataLayoutError(f"an archive in {archive_dir} is damaged ({_reason(err)}): download it again, then run "
+                              "the same command (what was unpacked is kept)") from None
+
+
+def _unpack_archives(paths: dict[str, Path], devkit: Devkit, out: Path, log: Callable, progress_interval: float) -> dict:
+    import tarfile
+
     classes = sorted(devkit.wnids)
     train_dir, val_dir, val_tmp = out / "train", out / "val", out / ".tmp-val"
     with tarfile.open(paths["train"], "r:") as train_tar, tarfile.open(paths["val"], "r:") as val_tar:
@@ -1478,13 +1490,15 @@ def from_archives(archive_dir: str | os.PathLike, out_dir: str | os.PathLike, lo
                                   "choose an empty output folder")
         done = {w for w in classes if (train_dir / w).is_dir()}
         val_left = [] if val_dir.is_dir() else [m for m in val_members if not val_dst[m.name].is_file()]
-        needed = sum(class_tars[w].size for w in classes if w not in done) + sum(m.size for m in val_left)
-        log(f"{archive_dir}: {len(classes)} classes, {sum(devkit.train_counts.values()):,} train + "
+        to_read = sum(class_tars[w].size for w in classes if w not in done) + sum(m.size for m in val_left)
+        files_left = sum(devkit.train_counts[w] for w in classes if w not in done) + len(val_left)
+        needed = to_read + 4096 * files_left  # the images, plus up to one file-system block per file
+        log(f"{paths['train'].parent}: {len(classes)} classes, {sum(devkit.train_counts.values()):,} train + "
             f"{len(val_members):,} val images; already in {out}: {len(done)} classes"
             f"{' and val' if val_dir.is_dir() else ''}; needs {_size(needed)} of disk")
         _check_free_space(out, needed, "unpacking the archives")
         # 2. train: each class into .tmp-<wnid>, renamed when complete
-        progress = _Progress(needed, "from-archives", progress_interval)
+        progress = _Progress(to_read, "from-archives", progress_interval)
         train_dir.mkdir(parents=True, exist_ok=True)
         for leftover in train_dir.glob(".tmp-*"):  # a class an interrupted run was unpacking: redone
             shutil.rmtree(leftover)
