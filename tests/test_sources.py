@@ -291,10 +291,24 @@ def test_unreachable_hub_id_fails_with_one_line(tmp_path):
     assert "nobody-here/no-such-dataset" in message and "hf auth login" in message and "\n" not in message
 
 
-@pytest.mark.skip(reason="tutorial_lib.train._check_args refuses a --path_to_data that is not a folder (Path.is_dir), "
-                         "so a Hub id never reaches build_datasets; resolve_data_source is the check to call there")
-def test_training_script_accepts_a_hub_id(tmp_path):
+def _train_checks_paths_with_resolve_data_source() -> bool:
+    import inspect
+    import tutorial_lib.train
+    return "resolve_data_source" in inspect.getsource(tutorial_lib.train._check_args)
+
+
+@pytest.mark.skipif(not _train_checks_paths_with_resolve_data_source(),
+                    reason="tutorial_lib.train._check_args refuses a --path_to_data that is not a folder (Path.is_dir), "
+                           "so a Hub id never reaches build_datasets; it should call resolve_data_source instead")
+def test_training_script_trains_from_a_hub_id_as_from_folders(tmp_path, monkeypatch, hub_parquet):
+    """The Hub replaced by a local folder of the same layout: the same weights as from the folders."""
+    import datasets
+    real = datasets.load_dataset
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, **kw: real(str(hub_parquet) if path == "ILSVRC/imagenet-1k"
+                                                                          else path, **kw))
     run(tmp_path, "hub", "ILSVRC/imagenet-1k")
+    run(tmp_path, "folders", EMBEDDED)
+    assert bitwise_equal(weights(tmp_path / "hub"), weights(tmp_path / "folders"))
 
 
 # --- shard: folders → parquet shards -------------------------------------------------------------------------
