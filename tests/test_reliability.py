@@ -79,8 +79,9 @@ def test_batch_larger_than_the_training_set_is_refused(tmp_path, data):
 
 def test_missing_data_path_is_refused(tmp_path, data):
     missing = tmp_path / "nowhere"
-    assert_user_error(cli(tmp_path, missing), f"--path_to_data {missing} is not a folder; point it at a folder with "
-                                               "train/ and val/ sub-folders (ImageNet layout)")
+    assert_user_error(cli(tmp_path, missing), f"--path_to_data: data folder {missing} does not exist: pass the folder "
+                                               "that holds train/ and val/ or parquet shards (for example --path_to_data "
+                                               "/data/imagenet), or a Hugging Face Hub id such as ILSVRC/imagenet-1k")
 
 
 def test_empty_data_path_is_refused(tmp_path, data):

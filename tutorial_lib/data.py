@@ -29,16 +29,19 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from .core import in_notebook
 
 # %% auto #0
-__all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'IMG_EXTENSIONS', 'VAL_DIR_NAMES', 'DataLayoutError', 'embedded_data_path',
-           'find_split_dirs', 'scan_image_folder', 'read_val_mapping', 'prepare_val', 'val_resize_size',
-           'classic_transforms', 'pipeline_stage_times', 'UnreadableImageError', 'read_bytes', 'jpeg_size',
-           'decode_rgb', 'load_pil_rgb', 'CropParams', 'sample_crop', 'center_crop_params', 'largest_dct_reduction',
-           'resized_crop_uint8', 'FastTrainTransform', 'FastValTransform', 'imagenet_mean_std_255',
-           'normalize_on_device', 'ImageFolderDataset', 'build_datasets', 'EpochSeededSampler', 'stack_images',
-           'collate_images', 'build_loaders', 'EpochSeededDataset', 'seeded_subset', 'progressive_resolution',
-           'resize_batch', 'list_images', 'benchmark_pipelines', 'run_data_benchmark', 'format_data_benchmark',
-           'print_data_benchmark', 'EncodedTransform', 'collate_encoded', 'decode_jpegs_on_cuda',
-           'decode_batch_on_device', 'get_args_parser', 'main']
+__all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'IMG_EXTENSIONS', 'VAL_DIR_NAMES', 'SPLIT_ALIASES', 'OFFICIAL_ARCHIVES', 'SHARD_MB',
+           'ILSVRC2012_COUNTS', 'DataLayoutError', 'embedded_data_path', 'find_split_dirs', 'scan_image_folder',
+           'DataSourceError', 'DataSource', 'require_datasets', 'resolve_data_source', 'read_val_mapping',
+           'prepare_val', 'val_resize_size', 'classic_transforms', 'pipeline_stage_times', 'UnreadableImageError',
+           'read_bytes', 'jpeg_size', 'decode_rgb', 'load_pil_rgb', 'CropParams', 'sample_crop', 'center_crop_params',
+           'largest_dct_reduction', 'resized_crop_uint8', 'FastTrainTransform', 'FastValTransform',
+           'imagenet_mean_std_255', 'normalize_on_device', 'ImageFolderDataset', 'build_datasets', 'EpochSeededSampler',
+           'stack_images', 'collate_images', 'build_loaders', 'EpochSeededDataset', 'seeded_subset',
+           'progressive_resolution', 'resize_batch', 'list_images', 'benchmark_pipelines', 'run_data_benchmark',
+           'format_data_benchmark', 'print_data_benchmark', 'EncodedTransform', 'collate_encoded',
+           'decode_jpegs_on_cuda', 'decode_batch_on_device', 'hub_features', 'plan_shards', 'write_shards',
+           'RecordDataset', 'load_record_datasets', 'benchmark_records', 'Devkit', 'read_devkit', 'verify_unpacked',
+           'from_archives', 'get_args_parser', 'main']
 
 # %% ../notebooks/07_data_pipeline.ipynb #16adf964
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -122,6 +125,99 @@ def scan_image_folder(folder: str | os.PathLike) -> tuple[list[str], list[tuple[
                                   "add its images or delete the empty folder")
         samples.extend((f, index) for f in files)
     return class_dirs, samples
+
+# %% ../notebooks/07_data_pipeline.ipynb #68c09628
+class DataSourceError(DataLayoutError):
+    """A data source that cannot be read as given: wrong splits, a missing optional package, an unreachable Hub."""
+
+
+@dataclass
+class DataSource:
+    """What `--path_to_data` holds (07 §1): `kind` is `"folders"`, `"parquet"`, `"saved"` or `"hub"`.
+
+    `location` is the folder or the Hub id; for parquet, `files` maps `"train"` and `"validation"`
+    to their shard files, in order."""
+    kind: str
+    location: str
+    files: dict[str, list[str]] | None = None
+
+
+SPLIT_ALIASES = {"train": "train", "validation": "validation", "val": "validation", "test": "test"}
+OFFICIAL_ARCHIVES = ("ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar", "ILSVRC2012_devkit_t12.tar.gz")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name
+
+
+def require_datasets(what: str) -> None:
+    """Fail with the install command when the optional 🤗 `datasets` package is missing (cheap: no import)."""
+    import importlib.util
+
+    if importlib.util.find_spec("datasets") is None:
+        raise DataSourceError(f"{what} is read with the 🤗 datasets library, which is not installed: "
+                              'pip install -e ".[hub]" (or pip install datasets)')
+
+
+def _parquet_split(path: Path) -> str | None:
+    """A shard's split, from its name (`train-00000-of-00294.parquet`) or its folder (`validation/0000.parquet`)."""
+    for word in (re.split(r"[-_.]", path.name, maxsplit=1)[0], path.parent.name):
+        if word.lower() in SPLIT_ALIASES:
+            return SPLIT_ALIASES[word.lower()]
+    return None
+
+
+def resolve_data_source(path_to_data: str | os.PathLike | DataSource) -> DataSource:
+    """Which form of dataset `path_to_data` is, checked without reading any image (07 §1, §12).
+
+    Class folders (`train/`, `val/`); a folder of parquet shards named by split (`train-*.parquet`,
+    `validation-*.parquet`, at most one folder down, e.g. the Hub's `data/`; `test` shards are
+    ignored); a `save_to_disk` folder with `train` and `validation` splits; or, for a path that does
+    not exist, a Hugging Face Hub id (`ILSVRC/imagenet-1k`). Anything else raises one line saying
+    what to change (`FileNotFoundError`, `NotADirectoryError` or `DataLayoutError`)."""
+    if isinstance(path_to_data, DataSource):
+        return path_to_data
+    text = str(path_to_data)
+    root = Path(text).expanduser()
+    if not root.exists():
+        if _HUB_ID.match(text):
+            require_datasets(f"{text} (not a local folder, so a Hugging Face Hub id)")
+            return DataSource("hub", text)
+        raise FileNotFoundError(f"data folder {root} does not exist: pass the folder that holds train/ and val/ or "
+                                "parquet shards (for example --path_to_data /data/imagenet), or a Hugging Face Hub id "
+                                "such as ILSVRC/imagenet-1k")
+    if root.is_file():
+        hint = (f"unpack the official archives first: python -m tutorial_lib.data from-archives {root.parent} OUT_DIR"
+                if root.name in OFFICIAL_ARCHIVES else "pass the folder that holds the shards"
+                if root.suffix == ".parquet" else "pass the folder that holds train/ and val/")
+        raise NotADirectoryError(f"{root} is a file: {hint}")
+    if (root / "dataset_dict.json").is_file():  # DatasetDict.save_to_disk
+        splits = json.loads((root / "dataset_dict.json").read_text()).get("splits", [])
+        if "train" not in splits or not {"validation", "val"} & set(splits):
+            raise DataSourceError(f"{root} (written by save_to_disk) has the splits {splits}: it needs 'train' and "
+                                  "'validation'")
+        require_datasets(str(root))
+        return DataSource("saved", str(root))
+    if (root / "state.json").is_file():  # Dataset.save_to_disk: a single split
+        raise DataSourceError(f"{root} holds one split written by save_to_disk: save a DatasetDict with 'train' and "
+                              "'validation' splits instead")
+    shards = sorted(p for pattern in ("*.parquet", "*/*.parquet") for p in root.glob(pattern) if not p.name.startswith("."))
+    if shards:
+        files: dict[str, list[str]] = {}
+        for p in shards:
+            split = _parquet_split(p)
+            if split is None:
+                raise DataSourceError(f"cannot tell the split of {p.relative_to(root)} in {root}: name the shards "
+                                      "train-*.parquet and validation-*.parquet, or put them in train/ and validation/")
+            files.setdefault(split, []).append(str(p))
+        missing = [s for s in ("train", "validation") if s not in files]
+        if missing:
+            raise DataSourceError(f"{root} has parquet shards for {sorted(files)} but none for {missing}: expected "
+                                  "train-*.parquet and validation-*.parquet files")
+        require_datasets(str(root))
+        return DataSource("parquet", str(root), {s: files[s] for s in ("train", "validation")})
+    if any((root / name).is_file() for name in OFFICIAL_ARCHIVES):
+        raise DataSourceError(f"{root} holds the official ILSVRC2012 archives: unpack them first with "
+                              f"python -m tutorial_lib.data from-archives {root} OUT_DIR, then pass OUT_DIR")
+    find_split_dirs(root)  # raises, naming what is missing
+    return DataSource("folders", str(root))
 
 # %% ../notebooks/07_data_pipeline.ipynb #b4c96ac6
 _DEVKIT_HINT = ("if the labels are class numbers (ILSVRC2012_validation_ground_truth.txt), use Kaggle's "
@@ -596,19 +692,21 @@ class ImageFolderDataset(Dataset):
 _PIPELINES = ("fast", "classic", "gpu")
 
 
-def build_datasets(root: str | os.PathLike, img_size: int = 224, pipeline: str = "fast", on_bad_file: str = "raise",
-                   scale: tuple[float, float] = (0.08, 1.0), reduced_decode: bool = True
-                   ) -> tuple[ImageFolderDataset, ImageFolderDataset]:
-    """Train and val datasets of an ImageNet-layout folder; both have the same sorted `.classes`.
+def build_datasets(source: str | os.PathLike | DataSource, img_size: int = 224, pipeline: str = "fast",
+                   on_bad_file: str = "raise", scale: tuple[float, float] = (0.08, 1.0), reduced_decode: bool = True,
+                   cache_dir: str | None = None) -> tuple[ImageFolderDataset, ImageFolderDataset]:
+    """Train and val datasets of any source `resolve_data_source` accepts; both have the same `.classes`.
 
-    `"fast"` yields `uint8` (3, img_size, img_size) tensors (normalise with `normalize_on_device`),
+    Class folders give `ImageFolderDataset`s (classes: the sorted folder names); parquet shards,
+    `save_to_disk` folders and Hub ids give `RecordDataset`s (07 §9; `cache_dir`: where 🤗 datasets
+    keeps its Arrow copy of parquet). `"fast"` yields `uint8` (3, img_size, img_size) tensors (normalise with `normalize_on_device`),
     `"classic"` normalised `float32`, `"gpu"` encoded bytes for `decode_batch_on_device` (07 §7).
     Val: shorter side to `int(img_size*256/224)`, centre crop."""
     if pipeline not in _PIPELINES:
         raise ValueError(f"pipeline must be one of {_PIPELINES}, got {pipeline!r}")
     if int(img_size) != img_size or img_size < 1:
         raise ValueError(f"img_size must be a positive integer, got {img_size!r}")
-    train_dir, val_dir = find_split_dirs(root)
+    source = resolve_data_source(source)
     if pipeline == "fast":
         train_tf = FastTrainTransform(img_size, scale, reduced_decode=reduced_decode)
         val_tf = FastValTransform(img_size, reduced_decode=reduced_decode)
@@ -616,6 +714,9 @@ def build_datasets(root: str | os.PathLike, img_size: int = 224, pipeline: str =
         train_tf = val_tf = EncodedTransform()
     else:
         train_tf, val_tf = classic_transforms(img_size, scale)
+    if source.kind != "folders":  # parquet shards, save_to_disk, the Hub (§9)
+        return load_record_datasets(source, train_tf, val_tf, pipeline, on_bad_file, cache_dir)
+    train_dir, val_dir = find_split_dirs(source.location)
     train = ImageFolderDataset(train_dir, train_tf, pipeline, on_bad_file)
     val = ImageFolderDataset(val_dir, val_tf, pipeline, on_bad_file)
     if train.classes != val.classes:
@@ -836,7 +937,8 @@ class _CpuClock:
 
 
 def run_data_benchmark(data_dir: str | os.PathLike, workers: int = 1, img_size: int = 224, batch_size: int = 25,
-                       max_images: int | None = None, repeats: int = 2, rounds: int = 5, seed: int = 0) -> dict:
+                       max_images: int | None = None, repeats: int = 2, rounds: int = 5, seed: int = 0,
+                       parquet: bool = True) -> dict:
     """Images per second per worker of the torchvision default pipeline and ours, train and val (07 §7).
 
     Every pipeline reads the same files (`repeats` times per pass) through a `DataLoader` with
@@ -846,7 +948,13 @@ def run_data_benchmark(data_dir: str | os.PathLike, workers: int = 1, img_size: 
     `ours_val_ips` are wall-clock images per second divided by the number of workers; the
     `*_cpu_ips` keys are images per second of worker CPU time, the rate one worker sustains on a
     core of its own (steadier on a busy machine). Both agree when every worker has a free core.
-    Also returns the speed-ups (`train_speedup`, `val_speedup`: wall clock; `*_cpu_speedup`) and the settings."""
+    Also returns the speed-ups (`train_speedup`, `val_speedup`: wall clock; `*_cpu_speedup`) and the settings.
+    With `parquet` (and 🤗 datasets installed) the same records are also written into one parquet file
+    and read through `RecordDataset` with our transforms (07 §10): `parquet_train_ips`,
+    `parquet_val_ips`, their `*_cpu_ips`, and `train_parquet_ratio`, `val_parquet_ratio` (÷ files)."""
+    import importlib.util
+    import tempfile
+
     from torch.utils.data import default_collate
 
     if workers < 0 or rounds < 1 or repeats < 1:
@@ -858,28 +966,44 @@ def run_data_benchmark(data_dir: str | os.PathLike, workers: int = 1, img_size: 
     loaders = {name: DataLoader(_FileListDataset(items, fn), batch_size=batch_size, num_workers=workers,
                                 persistent_workers=workers > 0, collate_fn=clocks[name])
                for name, fn in benchmark_pipelines(img_size).items()}
-    for loader in loaders.values():  # warm-up: start the workers, bring the files into the page cache
-        for _ in loader:
-            pass
-    cpu_ips, wall_ips = dict.fromkeys(loaders, 0.0), dict.fromkeys(loaders, 0.0)
-    for r in range(rounds):
-        for name, loader in loaders.items():
-            random.seed(seed + r)
-            torch.manual_seed(seed + r)
-            cpu_start = time.process_time() if workers == 0 else float(clocks[name].seconds.sum())
-            start, count = time.perf_counter(), 0
-            for batch in loader:
-                count += len(batch)
-            wall = time.perf_counter() - start
-            cpu = (time.process_time() if workers == 0 else float(clocks[name].seconds.sum())) - cpu_start
-            wall_ips[name] = max(wall_ips[name], count / wall / max(1, workers))
-            cpu_ips[name] = max(cpu_ips[name], count / max(cpu, 1e-9))
-    del loaders  # stops the workers
+    tmp = None
+    if parquet and importlib.util.find_spec("datasets") is not None:
+        tmp = Path(tempfile.mkdtemp(prefix="data-bench-"))
+        records = benchmark_records(items, data_dir, tmp)
+        for split, transform in [("train", FastTrainTransform(img_size)), ("val", FastValTransform(img_size))]:
+            clocks[f"parquet_{split}"] = _CpuClock(_stack_sample_images)
+            loaders[f"parquet_{split}"] = DataLoader(RecordDataset(records, transform, name=str(tmp)), batch_size=batch_size,
+                                                     num_workers=workers, persistent_workers=workers > 0,
+                                                     collate_fn=clocks[f"parquet_{split}"])
+    try:
+        for loader in loaders.values():  # warm-up: start the workers, bring the files into the page cache
+            for _ in loader:
+                pass
+        cpu_ips, wall_ips = dict.fromkeys(loaders, 0.0), dict.fromkeys(loaders, 0.0)
+        for r in range(rounds):
+            for name, loader in loaders.items():
+                random.seed(seed + r)
+                torch.manual_seed(seed + r)
+                cpu_start = time.process_time() if workers == 0 else float(clocks[name].seconds.sum())
+                start, count = time.perf_counter(), 0
+                for batch in loader:
+                    count += len(batch)
+                wall = time.perf_counter() - start
+                cpu = (time.process_time() if workers == 0 else float(clocks[name].seconds.sum())) - cpu_start
+                wall_ips[name] = max(wall_ips[name], count / wall / max(1, workers))
+                cpu_ips[name] = max(cpu_ips[name], count / max(cpu, 1e-9))
+    finally:
+        del loaders  # stops the workers
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     result = {f"{name}_ips": round(ips, 1) for name, ips in wall_ips.items()}
     result.update({f"{name}_cpu_ips": round(ips, 1) for name, ips in cpu_ips.items()})
     for split in ("train", "val"):
         result[f"{split}_speedup"] = round(result[f"ours_{split}_ips"] / result[f"baseline_{split}_ips"], 2)
         result[f"{split}_cpu_speedup"] = round(result[f"ours_{split}_cpu_ips"] / result[f"baseline_{split}_cpu_ips"], 2)
+        if f"parquet_{split}_ips" in result:
+            result[f"{split}_parquet_ratio"] = round(result[f"parquet_{split}_ips"] / result[f"ours_{split}_ips"], 2)
+            result[f"{split}_parquet_cpu_ratio"] = round(result[f"parquet_{split}_cpu_ips"] / result[f"ours_{split}_cpu_ips"], 2)
     result.update(workers=workers, images=len(files), repeats=repeats, rounds=rounds, img_size=img_size,
                   data_dir=str(data_dir))
     return result
@@ -887,14 +1011,21 @@ def run_data_benchmark(data_dir: str | os.PathLike, workers: int = 1, img_size: 
 
 def format_data_benchmark(result: dict) -> str:
     """The benchmark as a table, then one JSON line (the last line, for scripts)."""
+    parquet = "parquet_train_ips" in result
     lines = [f"data pipeline benchmark: {result['images']} images × {result['repeats']} from {result['data_dir']}, "
-             f"{result['workers']} worker(s), {result['img_size']} px, best of {result['rounds']} alternating rounds",
-             "images/s per worker      wall clock (the *_ips keys)          per CPU-second of a worker (*_cpu_ips)",
-             f"{'split':<7}{'torchvision default':>21}{'ours':>8}{'speed-up':>10}{'default':>13}{'ours':>8}{'speed-up':>10}"]
+             f"{result['workers']} worker(s), {result['img_size']} px, best of {result['rounds']} alternating rounds"
+             + (f"; parquet: the same {result['images'] * result['repeats']} records in one parquet file" if parquet else ""),
+             "images/s per worker: wall clock (the *_ips keys) and, in brackets, per CPU-second of a worker (*_cpu_ips); "
+             "speed-up: ours (files) ÷ torchvision default"]
+    columns = ["torchvision default", "ours, files"] + ["ours, parquet"] * parquet + ["speed-up"] + ["parquet ÷ files"] * parquet
+    lines.append(f"{'split':<6}" + "".join(f"{c:>21}" for c in columns))
     for split in ("train", "val"):
-        b, o = result[f"baseline_{split}_ips"], result[f"ours_{split}_ips"]
-        bc, oc = result[f"baseline_{split}_cpu_ips"], result[f"ours_{split}_cpu_ips"]
-        lines.append(f"{split:<7}{b:>21.1f}{o:>8.1f}{o / b:>9.2f}×{bc:>13.1f}{oc:>8.1f}{oc / bc:>9.2f}×")
+        rates = ["baseline", "ours"] + ["parquet"] * parquet
+        cells = [f"{result[f'{r}_{split}_ips']:.1f} ({result[f'{r}_{split}_cpu_ips']:.1f})" for r in rates]
+        cells.append(f"{result[f'{split}_speedup']:.2f}× ({result[f'{split}_cpu_speedup']:.2f}×)")
+        if parquet:
+            cells.append(f"{result[f'{split}_parquet_ratio']:.2f}× ({result[f'{split}_parquet_cpu_ratio']:.2f}×)")
+        lines.append(f"{split:<6}" + "".join(f"{c:>21}" for c in cells))
     lines.append(json.dumps(result))
     return "\n".join(lines)
 
@@ -962,9 +1093,524 @@ def decode_batch_on_device(items: Sequence[Tensor], img_size: int, train: bool, 
         out.append(resized_crop_uint8(img, params, img_size))
     return torch.stack(out)
 
+# %% ../notebooks/07_data_pipeline.ipynb #7e9b002e
+SHARD_MB = 384  # default shard size: a few hundred files for ImageNet's ~150 GB
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+
+
+class _Progress:
+    """Progress of a long job, in bytes: a tqdm bar on a terminal, one line every `interval` seconds in a log."""
+
+    def __init__(self, total: int, desc: str, interval: float = 30.0, file=None):
+        self.total, self.desc, self.interval, self.done = total, desc, interval, 0
+        self.file = file or sys.stderr
+        self.start = self.last = time.monotonic()
+        self.bar = None
+        if self.file.isatty() and total > 0:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=self.file)
+
+    def update(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.bar is not None:
+            self.bar.update(nbytes)
+        elif time.monotonic() - self.last >= self.interval:
+            self.last = time.monotonic()
+            rate = self.done / max(self.last - self.start, 1e-9)
+            left = f"{(self.total - self.done) / rate / 60:.0f} min left" if rate > 0 else "starting"
+            print(f"{self.desc}: {_size(self.done)} of {_size(self.total)} ({100 * self.done / max(self.total, 1):.0f} %), "
+                  f"{rate / 1e6:.1f} MB/s, {left}", file=self.file, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.total > 0:
+            seconds = time.monotonic() - self.start
+            print(f"{self.desc}: done, {_size(self.done)} in {seconds:.0f} s ({self.done / max(seconds, 1e-9) / 1e6:.1f} MB/s)",
+                  file=self.file, flush=True)
+
+
+def _check_free_space(folder: Path, needed: int, what: str) -> None:
+    """Refuse to start a job that cannot fit in the free space of `folder`'s file system."""
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if needed > free:
+        raise DataSourceError(f"{what} needs {_size(needed)} in {folder} but its disk has {_size(free)} free: "
+                              "free some space or choose another output folder")
+
+
+def hub_features(classes: Sequence[str]):
+    """The 🤗 `Features` of `ILSVRC/imagenet-1k`'s shards: `image` (encoded bytes and path), `label` (ClassLabel)."""
+    from datasets import ClassLabel, Features
+    from datasets import Image as ImageFeature
+
+    return Features({"image": ImageFeature(), "label": ClassLabel(names=list(classes))})
+
+
+def plan_shards(sizes: Sequence[int], shard_bytes: float) -> list[tuple[int, int]]:
+    """`(start, stop)` ranges of consecutive items, each closed as soon as it holds `shard_bytes` bytes."""
+    ranges, start, total = [], 0, 0
+    for k, size in enumerate(sizes):
+        total += size
+        if total >= shard_bytes:
+            ranges.append((start, k + 1))
+            start, total = k + 1, 0
+    if start < len(sizes):
+        ranges.append((start, len(sizes)))
+    return ranges
+
+
+def _shard_table(samples: Sequence[tuple[str, int]], split_dir: Path, schema):
+    """One row group: the files' bytes, unchanged, with their path under the split folder and their label."""
+    import pyarrow as pa
+
+    images = [{"bytes": Path(p).read_bytes(), "path": os.path.relpath(p, split_dir)} for p, _ in samples]
+    return pa.Table.from_pydict({"image": images, "label": [y for _, y in samples]}, schema=schema)
+
+
+def _complete_shard(path: Path, rows: int, schema) -> bool:
+    import pyarrow.parquet as pq
+
+    if not path.is_file():
+        return False
+    try:
+        return pq.read_metadata(path).num_rows == rows and pq.read_schema(path).equals(schema, check_metadata=True)
+    except (OSError, ValueError):  # a damaged file (pyarrow.ArrowInvalid is a ValueError)
+        return False
+
+
+def write_shards(root: str | os.PathLike, out_dir: str | os.PathLike, shard_mb: float = SHARD_MB,
+                 rows_per_group: int = 100, log: Callable = print, progress_interval: float = 30.0) -> dict:
+    """Write an ImageNet-layout folder as parquet shards with the Hub's schema (07 §9).
+
+    `out_dir/data/{train,validation}-KKKKK-of-NNNNN.parquet`, rows in `scan_image_folder` order (row i
+    is sample i of the folders), JPEG bytes unchanged, class names in the schema. Resumable: complete
+    shards are kept, others are written under a temporary name and renamed. Returns the counts."""
+    import pyarrow.parquet as pq
+
+    require_datasets("writing shards")
+    if not shard_mb > 0 or rows_per_group < 1:
+        raise ValueError(f"need shard_mb > 0 and rows_per_group >= 1, got {shard_mb} and {rows_per_group}")
+    train_dir, val_dir = find_split_dirs(root)
+    log(f"{root}: listing the images and their sizes …")
+    classes, train = scan_image_folder(train_dir)
+    val_classes, val = scan_image_folder(val_dir)
+    if classes != val_classes:
+        raise DataLayoutError(f"{train_dir} and {val_dir} have different class folders: give both splits the same ones")
+    schema = hub_features(classes).arrow_schema
+    out = Path(out_dir).expanduser() / "data"
+    plans = []  # (split, split folder, samples, sizes, (start, stop), file name)
+    for split, split_dir, samples in (("train", train_dir, train), ("validation", val_dir, val)):
+        sizes = [os.path.getsize(p) for p, _ in samples]
+        ranges = plan_shards(sizes, shard_mb * 1e6)
+        plans += [(split, split_dir, samples, sizes, r, f"{split}-{k:05d}-of-{len(ranges):05d}.parquet")
+                  for k, r in enumerate(ranges)]
+    shards = {p.name for p in out.glob("*.parquet") if not p.name.startswith(".")} if out.is_dir() else set()
+    stale = sorted(shards - {plan[-1] for plan in plans})
+    if stale:
+        raise DataLayoutError(f"{out} holds shards of another run ({', '.join(stale[:2])}{', …' if len(stale) > 2 else ''}): "
+                              "delete them or choose another output folder")
+    todo = [plan for plan in plans if not _complete_shard(out / plan[-1], plan[4][1] - plan[4][0], schema)]
+    needed = sum(sum(sizes[a:b]) for _, _, _, sizes, (a, b), _ in todo)
+    log(f"{root}: {len(train)} train + {len(val)} val images, {len(classes)} classes → {len(plans)} shards of about "
+        f"{shard_mb:g} MB in {out}; {len(plans) - len(todo)} already complete, {_size(needed)} to write")
+    _check_free_space(out, needed, "writing the shards")
+    out.mkdir(parents=True, exist_ok=True)
+    for leftover in out.glob(".tmp-*"):  # a shard an interrupted run was writing
+        leftover.unlink()
+    progress = _Progress(needed, "shard", progress_interval)
+    for split, split_dir, samples, sizes, (start, stop), name in todo:
+        tmp = out / f".tmp-{name}"
+        with pq.ParquetWriter(tmp, schema, compression="none", use_dictionary=False) as writer:
+            for first in range(start, stop, rows_per_group):
+                last = min(first + rows_per_group, stop)
+                writer.write_table(_shard_table(samples[first:last], split_dir, schema))
+                progress.update(sum(sizes[first:last]))
+        os.replace(tmp, out / name)  # complete: appears under its final name
+    progress.close()
+    counts = {split: sum(pq.read_metadata(out / name).num_rows for s, *_, name in plans if s == split)
+              for split in ("train", "validation")}
+    if counts != {"train": len(train), "validation": len(val)}:
+        raise DataLayoutError(f"the shards in {out} hold {counts}, not {len(train)} train and {len(val)} val rows: "
+                              "delete them and run again")
+    return {**counts, "classes": len(classes), "shards": len(plans), "written": len(todo), "out": str(out)}
+
+# %% ../notebooks/07_data_pipeline.ipynb #9d070f90
+class _RowSamples:
+    """`samples` of a `RecordDataset`: item i is `(i, label_i)`, from one array of labels (no list of 1.3 M tuples)."""
+
+    def __init__(self, labels: np.ndarray):
+        self.labels = labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        return index, int(self.labels[index])
+
+
+def _pil_rgb_from_bytes(data: bytes, name: str) -> Image.Image:
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            return im.convert("RGB")
+    except (OSError, ValueError, SyntaxError) as err:
+        raise _unreadable(name, err) from err
+
+
+def _record_columns(records, name: str) -> tuple[str, str]:
+    """The image column (an `Image` feature) and the label column (`ClassLabel`, or an integer `label`)."""
+    from datasets import ClassLabel
+    from datasets import Image as ImageFeature
+
+    features = records.features
+    images = [c for c, f in features.items() if isinstance(f, ImageFeature)]
+    labels = [c for c, f in features.items() if isinstance(f, ClassLabel)] or [c for c in ("label", "labels")
+                                                                                if c in features]
+    if not images or not labels:
+        raise DataSourceError(f"{name} has the columns {list(features)}: expected an image column (🤗 Image feature, "
+                              "e.g. 'image') and a label column (ClassLabel, e.g. 'label')")
+    return images[0], labels[0]
+
+
+class RecordDataset(ImageFolderDataset):
+    """Images stored as the records of a 🤗 `datasets.Dataset` (parquet shards, `save_to_disk`, the Hub) (07 §9).
+
+    The interface and bad-image policy of `ImageFolderDataset`; sample i is row i. The image column
+    is read undecoded and its bytes go through `transform` like a file's; a record that cannot be
+    decoded is named by its row and file."""
+
+    def __init__(self, records, transform: Callable, pipeline: str = "fast", on_bad_file: str = "raise",
+                 name: str = "records", files: Sequence[tuple[str, int]] = ()):
+        from datasets import ClassLabel
+        from datasets import Image as ImageFeature
+
+        if on_bad_file not in _ON_BAD_FILE:
+            raise ValueError(f"on_bad_file must be one of {_ON_BAD_FILE}, got {on_bad_file!r}")
+        self.image_column, self.label_column = _record_columns(records, name)
+        self.records = records.cast_column(self.image_column, ImageFeature(decode=False))  # bytes, not PIL images
+        self.root, self.transform, self.pipeline, self.on_bad_file = name, transform, pipeline, on_bad_file
+        labels = records.with_format("arrow")[self.label_column].to_numpy()
+        feature = records.features[self.label_column]
+        self.classes = list(feature.names) if isinstance(feature, ClassLabel) else [
+            str(k) for k in range(int(labels.max(initial=-1)) + 1)]
+        if len(labels) and (labels.min() < 0 or labels.max() >= len(self.classes)):
+            raise DataSourceError(f"{name} has labels outside 0…{len(self.classes) - 1} (e.g. -1: no label, as in the "
+                                  "Hub's test split): train and validate on labelled splits only")
+        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+        self.samples, self.targets = _RowSamples(labels), labels.tolist()
+        self._files = [f for f, _ in files]
+        self._starts = np.cumsum([0] + [n for _, n in files])[:-1].tolist()
+        self._skipped = torch.zeros(256, dtype=torch.int64).share_memory_()
+
+    def describe(self, row: int, path: str | None = None) -> str:
+        """How errors and warnings name a record: its image's name, its file and row there, its row in the split."""
+        what = f"{path} at " if path else ""
+        if self._files:
+            k = int(np.searchsorted(self._starts, row, side="right")) - 1
+            return f"{what}row {row - self._starts[k]} of {self._files[k]} (row {row} of {self.root})"
+        return f"{what}row {row} of {self.root}"
+
+    def load(self, row: int) -> Tensor:
+        """Decode and transform the image of one record."""
+        image = self.records[row][self.image_column]
+        name = self.describe(row, image.get("path"))
+        try:
+            data = image["bytes"] if image["bytes"] is not None else Path(image["path"] or "").read_bytes()
+            if self.pipeline == "classic":
+                return self.transform(_pil_rgb_from_bytes(data, name))
+            return self.transform(torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()), name)
+        except OSError as err:  # UnreadableImageError included
+            cause = err.__cause__ or err
+            reason = _reason(cause) if cause is not err else str(err).split(";")[0].rsplit(": ", 1)[-1]
+            raise UnreadableImageError(f"cannot decode image {name}: {reason}; replace that file with an intact copy, "
+                                       "or build the datasets with on_bad_file='skip'") from err
+
+
+def _row_files(records, parquet_files: Sequence[str] | None = None) -> list[tuple[str, int]]:
+    """(file, rows) of the files a split's rows come from, in order (to name a bad record); [] if unknown."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if parquet_files:
+        files = [(str(f), pq.read_metadata(f).num_rows) for f in parquet_files]
+    else:  # save_to_disk and the Hub: the Arrow files behind the dataset
+        files = []
+        for entry in records.cache_files:
+            with pa.memory_map(entry["filename"]) as stream:
+                files.append((entry["filename"], pa.ipc.open_stream(stream).read_all().num_rows))
+    return files if sum(n for _, n in files) == len(records) else []
+
+
+def load_record_datasets(source: str | os.PathLike | DataSource, train_transform: Callable, val_transform: Callable,
+                         pipeline: str = "fast", on_bad_file: str = "raise", cache_dir: str | None = None
+                         ) -> tuple[RecordDataset, RecordDataset]:
+    """Train and validation `RecordDataset`s of parquet shards, a `save_to_disk` folder or a Hub id (07 §9).
+
+    `build_datasets` calls it for every source that is not class folders. `cache_dir`: where `datasets`
+    keeps its Arrow copy of parquet shards (default: `HF_DATASETS_CACHE`)."""
+    source = resolve_data_source(source)
+    if source.kind == "folders":
+        raise ValueError(f"{source.location} holds class folders: read it with build_datasets")
+    require_datasets(source.location)
+    import datasets
+
+    try:
+        if source.kind == "saved":
+            splits = datasets.load_from_disk(source.location)
+        elif source.kind == "parquet":
+            splits = datasets.load_dataset("parquet", data_files=source.files, cache_dir=cache_dir)
+        else:
+            splits = datasets.load_dataset(source.location, cache_dir=cache_dir)
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as err:
+        hint = ("" if source.kind != "hub" else " (it is not a local folder either); check the id and the network, "
+                "and for a gated dataset such as ILSVRC/imagenet-1k accept its terms on its Hub page and log in "
+                "with `hf auth login`")
+        raise DataSourceError(f"cannot load {source.location}: {_reason(err)}{hint}") from None
+    val_split = next((s for s in ("validation", "val") if s in splits), None)
+    if "train" not in splits or val_split is None:
+        raise DataSourceError(f"{source.location} has the splits {list(splits)}: it needs 'train' and 'validation'")
+    files = source.files or {}
+    train = RecordDataset(splits["train"], train_transform, pipeline, on_bad_file, f"{source.location} [train]",
+                          _row_files(splits["train"], files.get("train")))
+    val = RecordDataset(splits[val_split], val_transform, pipeline, on_bad_file, f"{source.location} [{val_split}]",
+                        _row_files(splits[val_split], files.get("validation")))
+    if train.classes != val.classes:
+        raise DataLayoutError(f"{source.location}: the train and {val_split} splits have different class names "
+                              f"({len(train.classes)} and {len(val.classes)}): labels would not mean the same class")
+    return train, val
+
+# %% ../notebooks/07_data_pipeline.ipynb #390ebe1f
+def benchmark_records(files: Sequence[str], data_dir: str | os.PathLike, folder: Path):
+    """`files` (repeats included) as one parquet file in `folder`, loaded with 🤗 datasets (cache in `folder`).
+
+    The parquet rows of `run_data_benchmark` (07 §10); labels are the parent folders' names."""
+    import datasets
+    import pyarrow.parquet as pq
+
+    classes = sorted({Path(f).parent.name for f in files})
+    schema = hub_features(classes).arrow_schema
+    path = folder / "train-00000-of-00001.parquet"
+    samples = [(f, classes.index(Path(f).parent.name)) for f in files]
+    with pq.ParquetWriter(path, schema, compression="none", use_dictionary=False) as writer:
+        for first in range(0, len(samples), 100):
+            writer.write_table(_shard_table(samples[first:first + 100], Path(data_dir), schema))
+    shown = not datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()  # a benchmark prints its table, not the conversion's progress
+    try:
+        return datasets.load_dataset("parquet", data_files=str(path), split="train", cache_dir=str(folder / "cache"))
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
+
+
+def _stack_sample_images(batch: Sequence[tuple[Tensor, int]]) -> Tensor:
+    """The images of a batch of `(image, label)` samples, stacked like `stack_images` (the benchmark counts images)."""
+    return stack_images([x for x, _ in batch])
+
+# %% ../notebooks/07_data_pipeline.ipynb #deac18a0
+ILSVRC2012_COUNTS = {"classes": 1000, "train": 1_281_167, "val": 50_000}
+
+
+@dataclass
+class Devkit:
+    """What `ILSVRC2012_devkit_t12.tar.gz` says: the classes in devkit order and the validation labels."""
+    wnids: list[str]                # wnids[k - 1] is the class of ILSVRC2012_ID k
+    words: dict[str, str]           # wnid → its words ("tench, Tinca tinca")
+    train_counts: dict[str, int]    # wnid → declared number of training images
+    val_ids: list[int]              # line k: ILSVRC2012_ID of ILSVRC2012_val_0000000k.JPEG
+    official: bool                  # the archive torchvision knows (same MD5)
+
+
+def read_devkit(path: str | os.PathLike) -> Devkit:
+    """Classes and validation ground truth of the ILSVRC2012 devkit, read as torchvision reads them (07 §11).
+
+    The 1,000 classes are the synsets of `meta.mat` without children (the others are their WordNet
+    ancestors); needs `scipy` (in the `hub` extra)."""
+    import hashlib
+    import tarfile
+
+    from torchvision.datasets.imagenet import ARCHIVE_META
+
+    try:
+        import scipy.io
+    except ImportError:
+        raise DataSourceError('reading the ILSVRC2012 devkit (meta.mat) needs scipy: pip install -e ".[hub]" '
+                              "(or pip install scipy)") from None
+    path = Path(path)
+    try:
+        with tarfile.open(path, "r:gz") as tar:
+            members = {Path(m.name).name: m for m in tar.getmembers() if m.isfile()}
+            missing = [n for n in ("meta.mat", "ILSVRC2012_validation_ground_truth.txt") if n not in members]
+            if missing:
+                raise DataLayoutError(f"{path} has no {' or '.join(missing)}: it is not the ILSVRC2012 devkit")
+            meta = scipy.io.loadmat(io.BytesIO(tar.extractfile(members["meta.mat"]).read()), squeeze_me=True)["synsets"]
+            truth = tar.extractfile(members["ILSVRC2012_validation_ground_truth.txt"]).read().decode().split()
+    except (tarfile.TarError, EOFError, KeyError, ValueError) as err:
+        if isinstance(err, DataLayoutError):
+            raise
+        raise DataLayoutError(f"cannot read the devkit {path}: {_reason(err)}; download it again") from None
+    leaves = [s for s in meta if int(s["num_children"]) == 0]
+    by_id = {int(s["ILSVRC2012_ID"]): s for s in leaves}
+    if sorted(by_id) != list(range(1, len(leaves) + 1)):
+        raise DataLayoutError(f"{path}: the classes of meta.mat are not numbered 1…{len(leaves)}")
+    wnids = [str(by_id[k]["WNID"]) for k in range(1, len(leaves) + 1)]
+    digest = hashlib.md5(path.read_bytes()).hexdigest()
+    return Devkit(wnids=wnids, words={str(s["WNID"]): str(s["words"]) for s in leaves},
+                  train_counts={str(s["WNID"]): int(s["num_train_images"]) for s in leaves},
+                  val_ids=[int(t) for t in truth], official=digest == ARCHIVE_META["devkit"][1])
+
+
+_VAL_NAME = re.compile(r"^ILSVRC2012_val_(\d{8})\.JPEG$")
+
+
+def _copy_member(tar, member, dst: Path) -> None:
+    """Write one archive member to `dst` (via a hidden temporary name, so a file under its final name is complete)."""
+    part = dst.with_name(f".{dst.name}.part")
+    with tar.extractfile(member) as src, open(part, "wb") as out:
+        shutil.copyfileobj(src, out, 1 << 20)
+    os.replace(part, dst)
+
+
+def _unpack_class(train_tar, member, folder: Path) -> int:
+    """Unpack one class tar (a member of the train archive) into `folder`; returns the number of images."""
+    import tarfile
+
+    count = 0
+    with tarfile.open(fileobj=train_tar.extractfile(member), mode="r:") as inner:
+        for m in inner:
+            name = Path(m.name).name  # never a path from the archive: no '..', no absolute names
+            if m.isfile() and _is_image(name):
+                _copy_member(inner, m, folder / name)
+                count += 1
+    return count
+
+
+def verify_unpacked(out_dir: str | os.PathLike, devkit: Devkit) -> dict:
+    """Count the images `from_archives` wrote and compare them with the devkit (and, for the official devkit, ILSVRC2012)."""
+    from collections import Counter
+
+    out = Path(out_dir)
+    classes, train = scan_image_folder(out / "train")
+    val_classes, val = scan_image_folder(out / "val")
+    train_per_class = Counter(classes[y] for _, y in train)
+    problems = []
+    if classes != sorted(devkit.wnids) or val_classes != classes:
+        problems.append(f"{len(classes)} train and {len(val_classes)} val class folders for {len(devkit.wnids)} classes")
+    wrong = [w for w in devkit.wnids if devkit.train_counts.get(w) and train_per_class[w] != devkit.train_counts[w]]
+    if wrong:
+        problems.append(f"{len(wrong)} classes hold another number of training images than the devkit declares "
+                        f"(e.g. {wrong[0]}: {train_per_class[wrong[0]]}, not {devkit.train_counts[wrong[0]]})")
+    if Counter(val_classes[y] for _, y in val) != Counter(devkit.wnids[i - 1] for i in devkit.val_ids):
+        problems.append("the validation images per class differ from the ground truth")
+    counts = {"classes": len(classes), "train": len(train), "val": len(val)}
+    if devkit.official and counts != ILSVRC2012_COUNTS:
+        problems.append(f"found {counts}, ILSVRC2012 has {ILSVRC2012_COUNTS}")
+    if problems:
+        raise DataLayoutError(f"{out} does not match the archives: {'; '.join(problems)}: delete {out} and run "
+                              "from-archives again")
+    return counts
+
+
+def from_archives(archive_dir: str | os.PathLike, out_dir: str | os.PathLike, log: Callable = print,
+                  progress_interval: float = 30.0) -> dict:
+    """Unpack the three official ILSVRC2012 archives into `out_dir/{train,val}/<wnid>/*.JPEG` (07 §11).
+
+    Checks before writing anything (files, classes, validation names, free disk), never changes the
+    archives, resumes after an interruption, shows progress and verifies the counts at the end.
+    Returns the counts."""
+    import tarfile
+
+    archive_dir, out = Path(archive_dir).expanduser(), Path(out_dir).expanduser()
+    if not archive_dir.is_dir():
+        raise FileNotFoundError(f"archive folder {archive_dir} does not exist: pass the folder that holds "
+                                f"{', '.join(OFFICIAL_ARCHIVES)}")
+    paths = dict(zip(("train", "val", "devkit"), (archive_dir / name for name in OFFICIAL_ARCHIVES)))
+    missing = [p.name for p in paths.values() if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{archive_dir} has no {', '.join(missing)} (it holds: {_listing(archive_dir)}): "
+                                "download the ILSVRC2012 archives from image-net.org into it")
+    devkit = read_devkit(paths["devkit"])
+    try:
+        return _unpack_archives(paths, devkit, out, log, progress_interval)
+    except (tarfile.TarError, EOFError) as err:  # a truncated or damaged download
+        raise DataLayoutError(f"an archive in {archive_dir} is damaged ({_reason(err)}): download it again, then run "
+                              "the same command (what was unpacked is kept)") from None
+
+
+def _unpack_archives(paths: dict[str, Path], devkit: Devkit, out: Path, log: Callable, progress_interval: float) -> dict:
+    import tarfile
+
+    classes = sorted(devkit.wnids)
+    train_dir, val_dir, val_tmp = out / "train", out / "val", out / ".tmp-val"
+    with tarfile.open(paths["train"], "r:") as train_tar, tarfile.open(paths["val"], "r:") as val_tar:
+        # 1. everything that can be checked before writing: the archives' listings (headers only) and the disk
+        class_tars = {Path(m.name).name[:-4]: m for m in train_tar.getmembers() if m.isfile() and m.name.endswith(".tar")}
+        if set(class_tars) != set(classes):
+            extra, absent = sorted(set(class_tars) - set(classes)), sorted(set(classes) - set(class_tars))
+            raise DataLayoutError(f"{paths['train'].name} holds {len(class_tars)} class tars and the devkit lists "
+                                  f"{len(classes)} classes (only in the tar: {extra[:3]}, only in the devkit: "
+                                  f"{absent[:3]}): the train archive and the devkit do not match")
+        val_members = [m for m in val_tar.getmembers() if m.isfile()]
+        numbers = [_VAL_NAME.match(Path(m.name).name) for m in val_members]
+        if not all(numbers) or sorted(int(n.group(1)) for n in numbers) != list(range(1, len(devkit.val_ids) + 1)):
+            raise DataLayoutError(f"{paths['val'].name} holds {len(val_members)} files and the ground truth labels "
+                                  f"{len(devkit.val_ids)} images (ILSVRC2012_val_00000001.JPEG …): the validation "
+                                  "archive and the devkit do not match")
+        val_dst = {m.name: val_tmp / devkit.wnids[devkit.val_ids[int(n.group(1)) - 1] - 1] / Path(m.name).name
+                   for m, n in zip(val_members, numbers)}
+        foreign = [n for n in (os.listdir(train_dir) if train_dir.is_dir() else [])
+                   if n not in class_tars and not n.startswith(".tmp-")]
+        if foreign:
+            raise DataLayoutError(f"{train_dir} holds folders that are not classes of these archives ({foreign[:3]}): "
+                                  "choose an empty output folder")
+        done = {w for w in classes if (train_dir / w).is_dir()}
+        val_left = [] if val_dir.is_dir() else [m for m in val_members if not val_dst[m.name].is_file()]
+        to_read = sum(class_tars[w].size for w in classes if w not in done) + sum(m.size for m in val_left)
+        files_left = sum(devkit.train_counts[w] for w in classes if w not in done) + len(val_left)
+        needed = to_read + 4096 * files_left  # the images, plus up to one file-system block per file
+        log(f"{paths['train'].parent}: {len(classes)} classes, {sum(devkit.train_counts.values()):,} train + "
+            f"{len(val_members):,} val images; already in {out}: {len(done)} classes"
+            f"{' and val' if val_dir.is_dir() else ''}; needs {_size(needed)} of disk")
+        _check_free_space(out, needed, "unpacking the archives")
+        # 2. train: each class into .tmp-<wnid>, renamed when complete
+        progress = _Progress(to_read, "from-archives", progress_interval)
+        train_dir.mkdir(parents=True, exist_ok=True)
+        for leftover in train_dir.glob(".tmp-*"):  # a class an interrupted run was unpacking: redone
+            shutil.rmtree(leftover)
+        for wnid in classes:
+            if wnid in done:
+                continue
+            tmp = train_dir / f".tmp-{wnid}"
+            tmp.mkdir()
+            count = _unpack_class(train_tar, class_tars[wnid], tmp)
+            if devkit.train_counts.get(wnid) and count != devkit.train_counts[wnid]:
+                raise DataLayoutError(f"{class_tars[wnid].name} holds {count} images, the devkit declares "
+                                      f"{devkit.train_counts[wnid]}: the train archive is damaged, download it again")
+            os.rename(tmp, train_dir / wnid)  # the class appears complete or not at all
+            progress.update(class_tars[wnid].size)
+        # 3. val: sorted into .tmp-val/<wnid>/, renamed to val/ when every image is in place
+        if not val_dir.is_dir():
+            for wnid in classes:
+                (val_tmp / wnid).mkdir(parents=True, exist_ok=True)
+            for m in val_left:
+                _copy_member(val_tar, m, val_dst[m.name])
+                progress.update(m.size)
+            os.rename(val_tmp, val_dir)
+        progress.close()
+    counts = verify_unpacked(out, devkit)
+    log(f"verified: {counts['classes']} classes, {counts['train']:,} train and {counts['val']:,} val images, as the "
+        f"devkit declares{' (ILSVRC2012: complete)' if devkit.official else ''}")
+    return counts
+
 # %% ../notebooks/07_data_pipeline.ipynb #cd8e8b10
 def get_args_parser() -> argparse.ArgumentParser:
-    """`python -m tutorial_lib.data {prepare-val,bench}`."""
+    """`python -m tutorial_lib.data {prepare-val,bench,shard,from-archives}`."""
     parser = argparse.ArgumentParser(prog="python -m tutorial_lib.data", description="07's data tools")
     sub = parser.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare-val", help="sort a flat ILSVRC2012 val folder into class folders (dry run by default)")
@@ -981,6 +1627,17 @@ def get_args_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-images", type=int, default=None)
     bench.add_argument("--repeats", type=int, default=2, help="passes over the files per timed round")
     bench.add_argument("--rounds", type=int, default=5, help="alternating timed rounds; the best of each is kept")
+    bench.add_argument("--no-parquet", action="store_true", help="leave out the parquet rows (they need 🤗 datasets)")
+    shard = sub.add_parser("shard", help="write a folder in the ImageNet layout as parquet shards (the Hub's schema)")
+    shard.add_argument("src", help="folder that holds train/ and val/")
+    shard.add_argument("out", help="output folder; the shards go into OUT/data/")
+    shard.add_argument("--shard-mb", type=float, default=SHARD_MB, help=f"MB of images per shard (default {SHARD_MB})")
+    archives = sub.add_parser("from-archives", help="unpack the official ILSVRC2012 archives into class folders")
+    archives.add_argument("archive_dir", help="folder that holds " + ", ".join(OFFICIAL_ARCHIVES))
+    archives.add_argument("out", help="output folder; train/ and val/ go there")
+    for command in (shard, archives):
+        command.add_argument("--progress-interval", type=float, default=30.0,
+                             help="seconds between progress lines when the output is not a terminal")
     return parser
 
 
@@ -990,12 +1647,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "prepare-val":
             prepare_val(args.val_dir, args.mapping, apply=args.apply, link=args.link, out_dir=args.out)
+        elif args.command == "shard":
+            print(write_shards(args.src, args.out, shard_mb=args.shard_mb, progress_interval=args.progress_interval))
+        elif args.command == "from-archives":
+            from_archives(args.archive_dir, args.out, progress_interval=args.progress_interval)
         else:
             print_data_benchmark(run_data_benchmark(args.data_dir, workers=args.workers, img_size=args.img_size,
                                                     batch_size=args.batch_size, max_images=args.max_images,
-                                                    repeats=args.repeats, rounds=args.rounds))
+                                                    repeats=args.repeats, rounds=args.rounds, parquet=not args.no_parquet))
     except BrokenPipeError:  # output piped into `head`: not an error of ours
         return 0
+    except KeyboardInterrupt:
+        print("interrupted" + ("" if args.command == "bench" else ": run the same command again to continue where it "
+                               "stopped"), file=sys.stderr)
+        return 130
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
