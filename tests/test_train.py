@@ -17,8 +17,8 @@ from tutorial_lib.data import embedded_data_path
 from tutorial_lib.accel import latest_checkpoint, list_checkpoints
 from tutorial_lib.core import config_path
 from tutorial_lib.train import (RECIPE_V1, BadFlagError, build_training_scheduler, check_args, default_args,
-                                get_args_parser, train)
-from train_helpers import ROOT, TINY, bitwise_equal, max_weight_difference, weights
+                                get_args_parser, resolve_learning_rate, train)
+from train_helpers import ROOT, TINY, launch, bitwise_equal, max_weight_difference, weights
 
 pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
 
@@ -33,7 +33,8 @@ def test_defaults_are_the_torchvision_v1_recipe_and_the_embedded_data():
     args = get_args_parser().parse_args([])
     for key, value in RECIPE_V1.items():
         assert getattr(args, key) == value, key
-    assert (args.epochs, args.batch_size, args.learning_rate, args.momentum, args.weight_decay) == (90, 32, 0.1, 0.9, 1e-4)
+    assert (args.epochs, args.batch_size, args.momentum, args.weight_decay) == (90, 32, 0.9, 1e-4)
+    assert (args.learning_rate, args.lr_base, args.lr_base_batch) == (None, 0.1, 256)  # 0.1 per 256: the rule
     assert (args.lr_scheduler, args.lr_step_size, args.step_lr_decay) == ("step", 30, 0.1)
     assert args.path_to_data == str(embedded_data_path()) and args.num_classes is None
     assert args.norm_weight_decay is None and args.bias_weight_decay is None  # V1: decay on every parameter
@@ -87,7 +88,8 @@ def test_bad_options_are_refused_with_a_message_naming_the_flag(tmp_path):
 # --- schedule -----------------------------------------------------------------------------------
 
 def lrs_of(args, steps_per_epoch: int) -> list[float]:
-    """The LR of every optimizer step of `args`' schedule."""
+    """The LR of every optimizer step of `args`' schedule (on one process)."""
+    args = resolve_learning_rate(args, num_processes=1)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.learning_rate)
     scheduler = build_training_scheduler(optimizer, args, steps_per_epoch)
     lrs = []
@@ -112,11 +114,11 @@ def test_every_warmup_flag_shapes_the_schedule(tmp_path):
     half = lrs_of(default_args(epochs=4, lr_scheduler="cosine", learning_rate=0.1, lr_warmup_epochs=0.5), steps)
     assert half[5] == pytest.approx(0.1) and half[4] < 0.1  # fractional warmup epochs
     with pytest.raises(BadFlagError, match="--lr_warmup_epochs 2 covers the whole run"):  # before any data is read
-        check_args(default_args(epochs=2, lr_warmup_epochs=2, working_directory=str(tmp_path)))
+        check_args(resolve_learning_rate(default_args(epochs=2, lr_warmup_epochs=2, working_directory=str(tmp_path)), 1))
 
 
 def test_step_schedule_decays_every_lr_step_size_epochs():
-    lrs = lrs_of(default_args(epochs=90), steps_per_epoch=3)
+    lrs = lrs_of(default_args(epochs=90, learning_rate=0.1), steps_per_epoch=3)
     epoch_lr = [lrs[3 * e] for e in range(90)]
     assert epoch_lr[0] == epoch_lr[29] == pytest.approx(0.1)
     assert epoch_lr[30] == epoch_lr[59] == pytest.approx(0.01)
@@ -240,8 +242,8 @@ def test_resumed_run_continues_the_same_wandb_run_with_monotonic_steps(tmp_path,
 
 def test_onecycle_without_warmup_is_refused_with_the_flag_to_change(tmp_path):
     with pytest.raises(BadFlagError, match="--lr_warmup_epochs"):  # by the flag checks, before any data is read
-        check_args(default_args(epochs=2, lr_scheduler="onecycle", working_directory=str(tmp_path)))
-    lrs = lrs_of(default_args(epochs=2, lr_scheduler="onecycle", lr_warmup_epochs=0.6), steps_per_epoch=5)
+        check_args(resolve_learning_rate(default_args(epochs=2, lr_scheduler="onecycle", working_directory=str(tmp_path)), 1))
+    lrs = lrs_of(default_args(epochs=2, lr_scheduler="onecycle", lr_warmup_epochs=0.6, learning_rate=0.1), steps_per_epoch=5)
     assert max(lrs) == pytest.approx(0.1) and lrs.index(max(lrs)) == 3
 
 
@@ -263,3 +265,43 @@ def test_mid_epoch_resume_with_another_batch_size_is_refused(tmp_path):
     run(tmp_path, "layout", batch_size=16, epochs=1, stop_after_steps=2)
     with pytest.raises(ValueError, match="same set-up"):
         run(tmp_path, "layout", batch_size=8, epochs=1, resume_from_checkpoint="latest")
+
+
+# --- the learning rate follows the global batch -----------------------------------------------------
+
+@pytest.mark.parametrize("batch_size, accumulation, processes, lr, warmup", [
+    (32, 1, 8, 0.1, 0.0), (32, 8, 1, 0.1, 0.0), (32, 1, 1, 0.0125, 0.0), (128, 1, 8, 0.4, 3.75), (8, 3, 2, 0.01875, 0.0),
+])
+def test_default_learning_rate_and_warmup_follow_the_global_batch(batch_size, accumulation, processes, lr, warmup):
+    args = resolve_learning_rate(default_args(batch_size=batch_size, gradient_accumulation_steps=accumulation), processes)
+    assert args.learning_rate == pytest.approx(lr, rel=1e-12) and args.lr_warmup_epochs == warmup
+    explicit = resolve_learning_rate(default_args(batch_size=batch_size, learning_rate=0.3, lr_warmup_epochs=1), processes)
+    assert (explicit.learning_rate, explicit.lr_warmup_epochs) == (0.3, 1), "explicit values win"
+
+
+def test_the_v1_defaults_at_global_batch_256_are_torchvisions_recipe():
+    args = resolve_learning_rate(default_args(), num_processes=8)
+    assert (args.batch_size, args.learning_rate, args.lr_warmup_epochs, args.momentum, args.weight_decay) == \
+           (32, 0.1, 0.0, 0.9, 1e-4)
+    assert (args.lr_scheduler, args.lr_step_size, args.step_lr_decay, args.epochs) == ("step", 30, 0.1, 90)
+
+
+@pytest.mark.parametrize("processes, accumulation", [(1, 1), (1, 3), (2, 1), (2, 3)])
+def test_the_run_prints_and_records_the_scaled_learning_rate(tmp_path, processes, accumulation):
+    options = {**TINY, "batch_size": 8, "gradient_accumulation_steps": accumulation, "epochs": 1,
+               "working_directory": str(tmp_path), "experiment_name": "lr", "learning_rate": None}
+    global_batch = 8 * accumulation * processes
+    if processes == 1:
+        import contextlib
+        import io
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            train(default_args(**options))
+        out = printed.getvalue()
+    else:
+        out = launch(options, num_processes=processes)
+    expected = 0.1 * global_batch / 256
+    assert f"lr {expected:.4g} = 0.1 x {global_batch} / 256" in out, out[-2000:]
+    config = json.loads((tmp_path / "lr" / "config.json").read_text())
+    assert config["learning_rate"] == pytest.approx(expected) and (config["lr_base"], config["lr_base_batch"]) == (0.1, 256)
+    assert config["lr_rule"].startswith(f"lr {expected:.4g} = 0.1 x {global_batch} / 256")

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from tutorial_lib import accel
 from tutorial_lib import train as T
 from tutorial_lib.accel import latest_checkpoint, read_metrics
 from tutorial_lib.core import count_training_flops
@@ -32,8 +33,8 @@ def spy(monkeypatch):
     seen = {"model": None, "calls": []}
     build = T.build_model
 
-    def build_and_watch(name, num_classes):
-        model = build(name, num_classes)
+    def build_and_watch(name, num_classes, *options):
+        model = build(name, num_classes, *options)
 
         def hook(module, args):
             if module is seen["model"]:  # not the EMA's deep copy
@@ -154,10 +155,10 @@ def test_batches_are_copied_without_waiting_on_cuda_only(monkeypatch):
     """Non-blocking host-to-device copies overlap the previous step on CUDA; on MPS they have corrupted
     data and on a CPU there is nothing to copy, so they are used on CUDA only."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert T.overlapping_copies(cpu=False) is True
-    assert T.overlapping_copies(cpu=True) is False, "--cpu on a GPU machine"
+    assert accel.overlapping_copies(cpu=False) is True
+    assert accel.overlapping_copies(cpu=True) is False, "--cpu on a GPU machine"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert T.overlapping_copies(cpu=False) is False, "Apple MPS or CPU"
+    assert accel.overlapping_copies(cpu=False) is False, "Apple MPS or CPU"
 
 
 def test_training_asks_accelerate_for_overlapping_copies(tmp_path, monkeypatch):
@@ -173,6 +174,6 @@ def test_training_asks_accelerate_for_overlapping_copies(tmp_path, monkeypatch):
         build(self, *args, **kwargs)
 
     monkeypatch.setattr(accelerate.Accelerator, "__init__", recording_init)
-    monkeypatch.setattr(T, "overlapping_copies", lambda cpu=False: "asked")  # train() must use its answer
+    monkeypatch.setattr(accel, "overlapping_copies", lambda cpu=False: "asked")  # train() must use its answer
     run(tmp_path, "nonblocking", epochs=1)
     assert len(configs) == 1 and configs[0] is not None and configs[0].non_blocking == "asked"

@@ -29,8 +29,8 @@ from .core import free_port
 
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'MANIFEST', 'PROGRESS_FILE', 'RUN_LOCK', 'RUN_OUTPUTS', 'WANDB_MODES', 'launch_with_timeout',
-           'MetricsLogger', 'read_metrics', 'format_metrics_table', 'LaunchError', 'overlapping_copies',
-           'build_accelerator', 'ClassificationMetrics', 'merge_metrics', 'UserInputError', 'MissingPathError',
+           'MetricsLogger', 'read_metrics', 'format_metrics_table', 'UserInputError', 'LaunchError',
+           'overlapping_copies', 'build_accelerator', 'ClassificationMetrics', 'merge_metrics', 'MissingPathError',
            'CheckpointError', 'checkpoint_root', 'list_checkpoints', 'incomplete_checkpoints', 'latest_checkpoint',
            'fsync_path', 'atomic_write_text', 'sha256_file', 'model_signature', 'DiskFullError', 'follow_umask',
            'save_checkpoint', 'save_final_model', 'verify_checkpoint', 'load_checkpoint', 'resolve_resume_path',
@@ -151,6 +151,11 @@ def format_metrics_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #f813dc8a
+class UserInputError(Exception):
+    """A problem the user fixes (a flag, the data, a checkpoint): the training script prints one line
+    and exits 2 instead of a traceback (08, 11)."""
+
+
 class LaunchError(UserInputError):
     """A launch that cannot do what was asked (processes that are not connected, fp16 on a CPU)."""
 
@@ -168,12 +173,18 @@ def build_accelerator(cpu: bool = False, mixed_precision: str | None = None, gra
 
     Forgets a previous `Accelerator` of this process first (several runs in one notebook). Steps the
     scheduler only when told (`step_scheduler_with_optimizer=False`, 05/08), copies batches to the GPU
-    without waiting, and refuses what would silently not happen: fp16 on a CPU (Accelerate would run
-    fp32) and launched processes that did not join one group."""
+    without waiting. Says at start what would otherwise happen silently: it refuses fp16 on a CPU
+    (Accelerate would run fp32), `accelerate launch --cpu --num_processes 2` (one process, not 2) and
+    launched processes that did not join one group, and notes a CPU run that did not ask for the CPU."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 
+    asked_cpu = cpu or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    if asked_cpu and "MASTER_ADDR" in os.environ and "WORLD_SIZE" not in os.environ:
+        raise LaunchError("`accelerate launch --cpu --num_processes N` starts one process, not N (more need mpirun); "
+                          "for N CPU processes run `accelerate launch --multi_gpu --num_processes N -m tutorial_lib.train "
+                          "--cpu ...`, or `accelerate launch --config_file tutorial_lib/configs/cpu_2proc.yaml ...` for 2")
     AcceleratorState._reset_state(reset_partial_state=False)  # keeps the process group of a launched process
     GradientState._reset_state()
     accelerator = Accelerator(
@@ -190,8 +201,12 @@ def build_accelerator(cpu: bool = False, mixed_precision: str | None = None, gra
                           "silently train in fp32; use --mixed_precision bf16 or no")
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > accelerator.num_processes:  # e.g. `accelerate launch --multi_gpu` on a CPU box without --cpu
-        raise RuntimeError(f"{launched} processes were launched but they are not connected (each sees "
-                           f"{accelerator.num_processes}); on a machine without GPUs pass --cpu to the script")
+        raise LaunchError(f"{launched} processes were launched but they are not connected (each sees "
+                          f"{accelerator.num_processes}); on a machine without GPUs pass --cpu to the script")
+    if accelerator.device.type == "cpu" and not asked_cpu:  # a GPU config, or nothing said, on a machine without one
+        precision = "" if accelerator.mixed_precision == "no" else f" in {accelerator.mixed_precision}"
+        accelerator.print(f"note: no GPU found: training on the CPU{precision}, many times slower than on a GPU; "
+                          "pass --cpu to say that this is what you want", flush=True)
     return accelerator
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #85562c80
@@ -304,11 +319,6 @@ def merge_metrics(a: dict, b: dict) -> dict:
     return {**{k: (a[k] * a["count"] + b[k] * b["count"]) / n for k in ("loss", "top1", "top5")}, "count": n}
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #ff4a7d63
-class UserInputError(Exception):
-    """A problem the user fixes (a flag, the data, a checkpoint): the training script prints one line
-    and exits 2 instead of a traceback (08, 11)."""
-
-
 class MissingPathError(UserInputError, FileNotFoundError):
     """A path given on the command line (data, checkpoint) that does not exist or is not what it should be."""
 

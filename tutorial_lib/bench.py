@@ -18,8 +18,9 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from .core import count_training_flops, in_notebook, mfu, peak_flops_for, peak_memory_bytes, seed_everything
-from .data import build_loaders, overlapping_copies
-from .train import build_accelerator, default_args, setup_run, train_one_epoch
+from .data import build_loaders
+from .accel import build_accelerator
+from .train import default_args, resolve_learning_rate, setup_run, train_one_epoch
 
 # %% auto #0
 __all__ = ['LOOP_DEFAULTS', 'SYNTHETIC_CONFIGS', 'JPEG_SUFFIXES', 'DEFAULT_JPEG_DIR', 'GPU_DEFAULTS', 'DRY_RUN', 'time_windows',
@@ -140,8 +141,9 @@ def make_our_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Te
                         disable_progress_bar=True, log_interval=0, num_workers=0)
     dataset = FixedBatchDataset(images, labels, steps * batch_size)
     train_loader, _ = build_loaders(dataset, dataset, batch_size=batch_size, num_workers=0, seed=seed, pin_memory=False)
-    run = setup_run(args, build_accelerator(args), model, train_loader, None, num_classes,
-                    run_dir=tempfile.gettempdir())  # no checkpoint is written (none asked for)
+    accelerator = build_accelerator(args.cpu, args.mixed_precision, args.gradient_accumulation_steps)
+    run = setup_run(resolve_learning_rate(args, accelerator.num_processes), accelerator, model, train_loader, None,
+                    num_classes, run_dir=tempfile.gettempdir())  # no checkpoint is written (none asked for)
     epoch = [0]
 
     def step(n: int) -> None:
