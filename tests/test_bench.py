@@ -169,7 +169,7 @@ def test_step_timer_reports_mfu_and_progress_bar_strings_and_reset_starts_a_new_
     s = timer.summary()
     assert s["images_per_sec"] == pytest.approx(8 / 0.01)
     assert s["mfu"] == pytest.approx(800 * 1e9 / 1e12)
-    assert timer.postfix() == {"img/s": "800", "data": "0%", "mfu": "80.0%"}
+    assert timer.postfix() == {"img/s per process": "800", "data": "0%", "mfu": "80.0%"}
     timer.reset(flops_per_image=2e9)  # e.g. progressive resizing moved to a higher resolution
     assert timer.steps == timer.images == 0 and timer.data_time == timer.compute_time == 0.0
     assert timer.flops_per_image == 2e9

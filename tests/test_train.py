@@ -2,8 +2,12 @@
 
 The multi-process proofs (DDP, exact metric counts, schedule on 2 processes, simulated 2 machines)
 are in test_train_distributed.py."""
+import argparse
 import json
 import math
+import os
+import re
+import time
 from pathlib import Path
 import subprocess
 import sys
@@ -15,10 +19,10 @@ import yaml
 from tutorial_lib.accel import read_metrics
 from tutorial_lib.data import embedded_data_path
 from tutorial_lib.accel import latest_checkpoint, list_checkpoints
-from tutorial_lib.core import config_path
+from tutorial_lib.core import config_path, free_port
 from tutorial_lib.train import (RECIPE_V1, BadFlagError, build_training_scheduler, check_args, default_args,
                                 get_args_parser, resolve_learning_rate, train)
-from train_helpers import ROOT, TINY, launch, bitwise_equal, max_weight_difference, weights
+from train_helpers import ROOT, TINY, as_flags, bitwise_equal, launch, max_weight_difference, weights
 
 pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
 
@@ -305,3 +309,81 @@ def test_the_run_prints_and_records_the_scaled_learning_rate(tmp_path, processes
     config = json.loads((tmp_path / "lr" / "config.json").read_text())
     assert config["learning_rate"] == pytest.approx(expected) and (config["lr_base"], config["lr_base_batch"]) == (0.1, 256)
     assert config["lr_rule"].startswith(f"lr {expected:.4g} = 0.1 x {global_batch} / 256")
+
+
+# --- the first hour: launches and outputs say what happens ---------------------------------------------
+
+def run_cli_process(tmp_path, argv, env_extra=None, launcher=None, umask=None, timeout=300):
+    """Run the training command line (or an `accelerate launch` of it) with stdout and stderr to files, as a
+    batch job would; returns (exit code, stdout, stderr)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", **(env_extra or {})}
+    cmd = [sys.executable, "-m", *(launcher or []), *(["-m"] if launcher else []), "tutorial_lib.train", *argv] \
+        if launcher else [sys.executable, "-m", "tutorial_lib.train", *argv]
+    with open(tmp_path / "out.log", "w") as out, open(tmp_path / "err.log", "w") as err:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, timeout=timeout,
+                              preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
+    return done.returncode, (tmp_path / "out.log").read_text(), (tmp_path / "err.log").read_text()
+
+
+def tiny_flags(tmp_path, name="first", **extra):
+    options = {**TINY, "epochs": 2, "batch_size": 16, "working_directory": str(tmp_path / "runs"),
+               "experiment_name": name, **extra}
+    options.pop("disable_progress_bar")  # the progress display is part of what is checked
+    return as_flags(options)
+
+
+def test_a_run_logged_to_files_has_no_carriage_returns_one_table_and_files_the_umask_allows(tmp_path):
+    code, out, err = run_cli_process(tmp_path, tiny_flags(tmp_path), umask=0o027)
+    assert code == 0, err[-2000:]
+    assert "\r" not in out + err, "a log must not receive a progress bar's carriage returns"
+    assert out.count("train_loss") == 1, "the per-epoch table is printed once, row by row"
+    assert "img/s (all processes)" in out
+    run = tmp_path / "runs" / "first"
+    for name in ["model.safetensors", "config.json", "metrics.jsonl"]:
+        assert (run / name).stat().st_mode & 0o777 == 0o640, (name, oct((run / name).stat().st_mode))
+    for f in latest_checkpoint(run).iterdir():
+        assert f.stat().st_mode & 0o777 == 0o640, (f.name, oct(f.stat().st_mode))
+
+
+def test_a_start_that_fails_leaves_no_empty_run_folder(tmp_path):
+    code, out, err = run_cli_process(tmp_path, tiny_flags(tmp_path, num_classes=7))
+    assert code == 2 and "--num_classes 7 but" in err
+    assert not (tmp_path / "runs" / "first").exists(), "the folder made for a run that never started must go"
+
+
+def test_accelerate_launch_cpu_with_two_processes_says_it_starts_one_and_how_to_get_two(tmp_path):
+    launcher = ["accelerate.commands.launch", "--cpu", "--num_processes", "2", "--main_process_port", str(free_port())]
+    code, out, err = run_cli_process(tmp_path, tiny_flags(tmp_path), launcher=launcher)
+    assert code != 0, "the launch must not train one process as if two had been asked"  # accelerate reports 1
+    line = [l for l in err.splitlines() if l.startswith("tutorial-train: error:")]
+    assert len(line) == 1 and "starts one process, not N" in line[0] and "--multi_gpu --num_processes N" in line[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens on a machine without a GPU")
+def test_a_gpu_config_on_a_machine_without_a_gpu_says_so_at_start(tmp_path):
+    launcher = ["accelerate.commands.launch", "--config_file", str(config_path("1gpu.yaml"))]
+    code, out, err = run_cli_process(tmp_path, tiny_flags(tmp_path, epochs=1, cpu=False), launcher=launcher)
+    assert code == 0, err[-2000:]
+    first = out.splitlines()[0]
+    assert first.startswith("note: no GPU found: training on the CPU in bf16, many times slower than on a GPU"), first
+
+
+def test_help_shows_every_default_and_costs_little_more_than_importing_torch(tmp_path):
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True, cwd=ROOT)
+    torch_s = time.perf_counter() - start
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "tutorial_lib.train", "--help"], capture_output=True, text=True,
+                          cwd=ROOT, check=True)
+    help_s = time.perf_counter() - start
+    assert help_s < 1.5 * torch_s + 1.0, f"--help took {help_s:.1f} s, importing torch {torch_s:.1f} s"
+    blocks, text = {}, done.stdout  # one block per option: its line and the wrapped lines of its help below
+    for block in re.split(r"\n(?=  -)", text):
+        block = " ".join(block.split())
+        if block.startswith("-"):
+            blocks[block.split()[0].rstrip(",")] = block
+    options = [a.option_strings[-1] for a in get_args_parser()._actions
+               if a.option_strings and a.help != argparse.SUPPRESS and a.dest != "help"]
+    assert options and set(options) <= set(blocks), sorted(set(options) - set(blocks))
+    assert all("(default:" in blocks[o] for o in options), [o for o in options if "(default:" not in blocks[o]]
+    assert "--inject_nan_at_steps" not in text, "a testing hook is not for users"

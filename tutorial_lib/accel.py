@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import multiprocessing
@@ -22,8 +23,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import torch
-import torchmetrics
-from torchmetrics.classification import MulticlassAccuracy
 
 from .core import free_port
 
@@ -143,7 +142,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 def format_metrics_table(rows: list[dict]) -> str:
     """Rows of `metrics.jsonl` as a fixed-width text table (what the training script prints, 08)."""
-    head = f"{'epoch':>5} {'train_loss':>10} {'train_top1':>10} {'val_loss':>9} {'val_top1':>8} {'val_top5':>8} {'lr':>9} {'img/s':>8}"
+    head = f"{'epoch':>5} {'train_loss':>10} {'train_top1':>10} {'val_loss':>9} {'val_top1':>8} {'val_top5':>8} {'lr':>9} {'img/s':>8} (all processes)"
     lines = [head]
     for r in rows:
         lines.append(f"{r['epoch']:>5} {r['train_loss']:>10.4f} {r['train_top1']:>9.2f}% {r['val_loss']:>9.4f} "
@@ -210,22 +209,30 @@ def build_accelerator(cpu: bool = False, mixed_precision: str | None = None, gra
     return accelerator
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #85562c80
-class _LossAndCount(torchmetrics.Metric):
-    """Summed loss and number of samples as torchmetrics state (summed across processes on sync)."""
+@functools.cache
+def _loss_and_count_metric() -> type:
+    """The torchmetrics metric of a summed loss and a sample count, defined on first use: importing
+    torchmetrics takes seconds (it imports torchvision and scipy), which a command's `--help` should not pay."""
+    import torchmetrics
 
-    full_state_update = False
+    class LossAndCount(torchmetrics.Metric):
+        """Summed loss and number of samples as torchmetrics state (summed across processes on sync)."""
 
-    def __init__(self, loss_dtype: torch.dtype = torch.float64, **kwargs):
-        super().__init__(**kwargs)
-        self.add_state("loss_sum", default=torch.tensor(0.0, dtype=loss_dtype), dist_reduce_fx="sum")
-        self.add_state("count", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+        full_state_update = False
 
-    def update(self, loss: torch.Tensor, n: int) -> None:
-        self.loss_sum += loss.detach().to(self.loss_sum.device, self.loss_sum.dtype).sum()
-        self.count += n
+        def __init__(self, loss_dtype: torch.dtype = torch.float64, **kwargs):
+            super().__init__(**kwargs)
+            self.add_state("loss_sum", default=torch.tensor(0.0, dtype=loss_dtype), dist_reduce_fx="sum")
+            self.add_state("count", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
 
-    def compute(self) -> dict:
-        return {"loss_sum": self.loss_sum, "count": self.count}
+        def update(self, loss: torch.Tensor, n: int) -> None:
+            self.loss_sum += loss.detach().to(self.loss_sum.device, self.loss_sum.dtype).sum()
+            self.count += n
+
+        def compute(self) -> dict:
+            return {"loss_sum": self.loss_sum, "count": self.count}
+
+    return LossAndCount
 
 
 class ClassificationMetrics:
@@ -242,11 +249,13 @@ class ClassificationMetrics:
         self.num_classes = int(num_classes)
         self.device = torch.device(device)
         self.top_k = min(5, self.num_classes)
+        from torchmetrics.classification import MulticlassAccuracy
+
         kwargs = dict(num_classes=self.num_classes, average="micro", sync_on_compute=sync_on_compute)
         self.top1 = MulticlassAccuracy(top_k=1, **kwargs).to(self.device)
         self.top5 = MulticlassAccuracy(top_k=self.top_k, **kwargs).to(self.device)
         loss_dtype = torch.float32 if self.device.type == "mps" else torch.float64   # MPS has no float64
-        self.loss = _LossAndCount(loss_dtype, sync_on_compute=sync_on_compute).to(self.device)
+        self.loss = _loss_and_count_metric()(loss_dtype, sync_on_compute=sync_on_compute).to(self.device)
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor | float | None = None) -> None:
         """Add a batch: `logits` (B, C), `labels` (B,), `loss` per sample (B,) or the batch mean.

@@ -27,7 +27,7 @@ __all__ = ['SMOKE_ENV_VAR', 'IMAGENET_TRAIN_IMAGES', 'RECIPE_EPOCHS', 'PEAK_BF16
            'free_port', 'scratch_dir', 'count_training_flops', 'training_time_seconds', 'peak_flops_for', 'mfu',
            'peak_memory_bytes', 'StepTimer', 'global_batch_size', 'environment_report', 'bf16_supported', 'main',
            'accelerate_cli', 'cpu_launch_config', 'read_process_states', 'launch_state_probe', 'number_flag',
-           'OneLineParser', 'HelpFormatter', 'config_path']
+           'OneLineParser', 'HelpFormatter', 'config_path', 'Progress']
 
 # %% ../notebooks/00_introduction.ipynb #a4f4ab1f
 SMOKE_ENV_VAR = "TUTORIAL_SMOKE"
@@ -239,9 +239,9 @@ class StepTimer:
         }
 
     def postfix(self) -> dict:
-        """Short strings for a progress line: img/s and the share of time spent waiting for data."""
+        """Short strings for a progress line: this process's img/s and its share of time spent waiting for data."""
         s = self.summary()
-        out = {"img/s": f"{s['images_per_sec']:.0f}", "data": f"{s['data_fraction']:.0%}"}
+        out = {"img/s per process": f"{s['images_per_sec']:.0f}", "data": f"{s['data_fraction']:.0%}"}
         if s["mfu"] is not None:
             out["mfu"] = f"{s['mfu']:.1%}"
         return out
@@ -444,3 +444,47 @@ def config_path(name: str) -> Path:
         shipped = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
         raise FileNotFoundError(f"no shipped config {name!r}; choose one of {shipped}")
     return path
+
+# %% ../notebooks/00_introduction.ipynb #64f59bb8
+class Progress:
+    """Progress of a loop: tqdm's bar on a terminal; in a log (output not a terminal) one plain line every
+    `interval` seconds, since a bar there becomes one endless line of carriage returns (a batch job's log).
+
+    `update(n)`, `set_postfix(**values)` (shown on the bar, or at the end of the next line) and `close()`,
+    as tqdm. Taught in 00; the training script (08) shows one per epoch."""
+
+    def __init__(self, total: int, desc: str = "", initial: int = 0, unit: str = "it", interval: float = 30.0,
+                 file=None, disable: bool = False):
+        self.total, self.desc, self.done, self.unit, self.interval = total, desc, initial, unit, interval
+        self.file, self.disable, self.postfix = file or sys.stderr, disable, {}
+        self.start = self.last = time.monotonic()
+        self.started_at = initial
+        self.bar = None
+        if not disable and self.file.isatty():
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, leave=False, file=self.file)
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+        elif not self.disable and time.monotonic() - self.last >= self.interval:
+            self.last = time.monotonic()
+            print(self.line(), file=self.file, flush=True)
+
+    def set_postfix(self, **values) -> None:
+        self.postfix = values
+        if self.bar is not None:
+            self.bar.set_postfix(**values)
+
+    def line(self) -> str:
+        """The plain line of a log: where the loop is, how fast it goes, and the postfix."""
+        rate = (self.done - self.started_at) / max(time.monotonic() - self.start, 1e-9)
+        extra = "".join(f", {k} {v}" for k, v in self.postfix.items())
+        return f"{self.desc}: {self.done}/{self.total} {self.unit} ({100 * self.done / max(self.total, 1):.0f} %), " \
+               f"{rate:.2f} {self.unit}/s{extra}"
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
