@@ -627,3 +627,37 @@ cp {disk}/full/model.safetensors {tmp_path}/resumed.safetensors
     verify_checkpoint(latest_checkpoint(kept))  # the previous checkpoint is complete and unaltered
     assert int((tmp_path / "resumed.code").read_text()) == 0, (tmp_path / "resumed.err").read_text()
     assert sha256_file(tmp_path / "resumed.safetensors") == sha256_file(tmp_path / "runs" / "straight" / "model.safetensors")
+
+
+# --- trackers: offline, and one continuous run across a resume ------------------------------------------
+
+def scalar_steps(run_dir: Path, tag: str) -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps = []
+    for folder in sorted({p.parent for p in (run_dir / "tensorboard").rglob("events.out.tfevents.*")}):
+        events = EventAccumulator(str(folder))
+        events.Reload()
+        steps += [e.step for e in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []
+    return steps
+
+
+def test_tensorboard_logs_offline_and_a_resumed_run_continues_its_steps(tmp_path, data):
+    options = dict(epochs=3, log_with="tensorboard", checkpoint_every_steps=100)
+    assert cli(tmp_path, data, **options, stop_after_steps=9).returncode == 0  # stopped in epoch 1
+    done = cli(tmp_path, data, **options, resume_from_checkpoint="latest")
+    assert done.returncode == 0, done.stderr
+    run = tmp_path / "runs" / "bad"
+    assert scalar_steps(run, "epoch/val_top1") == [6, 12, 18], "one point per epoch, steps continuing across the resume"
+    assert not (run / "wandb").exists()
+
+
+def test_several_trackers_at_once_and_none_alone(tmp_path, data):
+    env = child_env(WANDB_MODE="offline")
+    flags = as_flags({**TINY, "path_to_data": data, "working_directory": tmp_path / "runs", "experiment_name": "both"})
+    done = run_cli(flags + ["--log_with", "wandb", "tensorboard"], env=env, timeout=180)
+    assert done.returncode == 0, done.stderr
+    run = tmp_path / "runs" / "both"
+    assert list((run / "wandb").glob("offline-run-*")) and scalar_steps(run, "epoch/val_top1") == [6]
+    assert_user_error(cli(tmp_path, data, log_with=["wandb", "none"]),
+                      "--log_with wandb none: 'none' means no tracker; give it alone")

@@ -35,7 +35,7 @@ __all__ = ['CHECKPOINT_FORMAT', 'MANIFEST', 'PROGRESS_FILE', 'RUN_LOCK', 'RUN_OU
            'save_checkpoint', 'save_final_model', 'verify_checkpoint', 'load_checkpoint', 'resolve_resume_path',
            'RunFolderError', 'RunLock', 'run_outputs', 'claim_run_folder', 'write_run_config', 'cut_metrics',
            'NonFiniteLossError', 'NonFiniteGuard', 'StopRequest', 'wandb_api_key_configured', 'resolve_wandb_mode',
-           'start_wandb']
+           'start_trackers']
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #8f8d11a1
 def launch_with_timeout(fn, args: tuple = (), num_processes: int = 2, timeout: float | None = None,
@@ -167,7 +167,7 @@ def overlapping_copies(cpu: bool = False) -> bool:
 
 
 def build_accelerator(cpu: bool = False, mixed_precision: str | None = None, gradient_accumulation_steps: int = 1,
-                      log_with: str | None = None, project_dir: str | os.PathLike | None = None):
+                      log_with: list[str] | None = None, project_dir: str | os.PathLike | None = None):
     """The `Accelerator` of a training run (08, and 10's benchmark of its step).
 
     Forgets a previous `Accelerator` of this process first (several runs in one notebook). Steps the
@@ -190,8 +190,8 @@ def build_accelerator(cpu: bool = False, mixed_precision: str | None = None, gra
         cpu=cpu, mixed_precision=mixed_precision,  # None: what `accelerate config`/launch says, else fp32
         gradient_accumulation_steps=gradient_accumulation_steps,
         step_scheduler_with_optimizer=False,  # the training script steps it once per optimizer step
-        log_with=log_with, project_config=ProjectConfiguration(project_dir=str(project_dir), logging_dir=str(project_dir))
-        if project_dir else None,
+        log_with=log_with, project_config=ProjectConfiguration(  # TensorBoard writes under <run>/tensorboard
+            project_dir=str(project_dir), logging_dir=str(Path(project_dir) / "tensorboard")) if project_dir else None,
         # a blocking copy would wait for the whole previous step: the GPU would idle while Python fetches the batch
         dataloader_config=DataLoaderConfiguration(non_blocking=overlapping_copies(cpu)),
     )
@@ -897,17 +897,19 @@ def resolve_wandb_mode() -> str:
     return "online" if wandb_api_key_configured() else "offline"
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #23e2345d
-def start_wandb(accelerator, project: str, config: dict, run_id: str, name: str, run_dir: str | os.PathLike) -> str:
-    """`accelerator.init_trackers` for W&B in the mode of `resolve_wandb_mode`, resuming run `run_id`
-    (a resumed training run continues the same W&B run); says where offline logs go and that the local
-    `metrics.jsonl` (`MetricsLogger`) has every epoch. Returns the mode."""
+def start_trackers(accelerator, project: str, config: dict, run_id: str, name: str, run_dir: str | os.PathLike) -> str:
+    """`accelerator.init_trackers` for the trackers the `Accelerator` was built with: W&B in the mode of
+    `resolve_wandb_mode` (never blocks) resuming run `run_id` (a resumed training run continues the same W&B
+    run), TensorBoard event files in `<run>/tensorboard/`. Says where offline logs go; returns the W&B mode."""
     mode = resolve_wandb_mode()
     logs = Path(run_dir) / "wandb"
-    if mode == "offline":
+    wandb = any(str(tracker) == "wandb" for tracker in accelerator.log_with)
+    if wandb and mode == "offline":
         accelerator.print(f"W&B: no API key found (WANDB_API_KEY or `wandb login`), logging offline to {logs}; "
                           f"metrics.jsonl has every epoch; upload later with `wandb sync {logs}/offline-run-*`", flush=True)
-    elif mode == "disabled":
+    elif wandb and mode == "disabled":
         accelerator.print("W&B: disabled by WANDB_MODE; metrics.jsonl has every epoch", flush=True)
-    accelerator.init_trackers(project, config=config, init_kwargs={"wandb": {
+    plain = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in config.items()}  # TensorBoard's hparams
+    accelerator.init_trackers(project, config=plain, init_kwargs={"wandb": {
         "id": run_id, "resume": "allow", "name": name, "dir": str(run_dir), "mode": mode}})
     return mode
