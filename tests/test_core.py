@@ -196,3 +196,19 @@ def test_a_failed_launch_raises_with_the_launcher_error(tmp_path):
 
     with pytest.raises(RuntimeError, match="does not exist"):
         launch_state_probe(tmp_path / "missing.yaml", tmp_path / "run", env=_isolated_env(tmp_path), timeout=120)
+
+
+@pytest.mark.slow
+def test_run_notebooks_leaves_files_alone_in_smoke_mode_and_writes_full_mode_outputs(tmp_path):
+    import nbformat
+
+    from tutorial_lib.core import run_notebooks
+
+    path = tmp_path / "demo.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "from tutorial_lib.core import smoke_mode\nprint(f'smoke mode: {smoke_mode()}')")]), path)
+    before = path.read_text()
+    assert list(run_notebooks([path], smoke=True)) == ["demo.ipynb"]
+    assert path.read_text() == before, "smoke mode only checks that the notebook runs"
+    assert run_notebooks([path], clean=False)["demo.ipynb"] > 0
+    assert nbformat.read(path, as_version=4).cells[0].outputs[0]["text"].strip() == "smoke mode: False"

@@ -1,5 +1,6 @@
 """The notebooks are the source of `tutorial_lib`: exporting them must reproduce the committed modules."""
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -80,3 +81,37 @@ def test_committed_notebook_has_no_error_output_and_the_course_structure(nb_path
         assert heading in markdown, f"{nb_path.name} lacks '{heading}'"
     code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
     assert "assert " in code, f"{nb_path.name} has no check cell asserting its claims"
+
+
+# Words of how this course is made, not of what it teaches: a learner reads every line.
+PROCESS_WORDS = re.compile(r"\b(the issue|issues? (asks?|says?)|acceptance|the lead|reviewers?|reviews?|closing note|"
+                           r"sessions? (of|time)|tickets?)\b", re.IGNORECASE)
+
+
+def learner_facing_texts() -> dict[str, str]:
+    """Every text a learner reads: notebook cells and their outputs, the README, the library's source."""
+    texts = {"README.md": (ROOT / "README.md").read_text()}
+    for nb_path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for i, cell in enumerate(json.loads(nb_path.read_text())["cells"]):
+            outputs = [o.get("text", "") if isinstance(o.get("text", ""), str) else "".join(o["text"])
+                       for o in cell.get("outputs", [])]
+            texts[f"{nb_path.name} cell {i}"] = "".join(cell["source"]) + "\n" + "\n".join(outputs)
+    for module in sorted((ROOT / "tutorial_lib").glob("*.py")):
+        if module.name != "_modidx.py":
+            texts[f"tutorial_lib/{module.name}"] = module.read_text()
+    return texts
+
+
+def process_words(text: str) -> list[str]:
+    return [m.group(0) for m in PROCESS_WORDS.finditer(text)]
+
+
+def test_the_process_word_check_finds_what_it_should():
+    assert process_words("the figures in the note of the issue come from") == ["the issue"]
+    assert process_words("as the acceptance runs use, the lead's script") == ["acceptance", "the lead"]
+    assert process_words("our target is 1.8x, because a GPU needs many cores") == []
+
+
+def test_learner_facing_text_never_speaks_of_how_the_course_is_made():
+    found = {where: words for where, text in learner_facing_texts().items() if (words := process_words(text))}
+    assert not found, f"say it as the course's own goal or reason instead: {found}"

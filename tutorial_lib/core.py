@@ -27,7 +27,7 @@ __all__ = ['SMOKE_ENV_VAR', 'IMAGENET_TRAIN_IMAGES', 'RECIPE_EPOCHS', 'PEAK_BF16
            'free_port', 'scratch_dir', 'count_training_flops', 'training_time_seconds', 'peak_flops_for', 'mfu',
            'peak_memory_bytes', 'StepTimer', 'global_batch_size', 'environment_report', 'bf16_supported', 'main',
            'accelerate_cli', 'cpu_launch_config', 'read_process_states', 'launch_state_probe', 'number_flag',
-           'OneLineParser', 'HelpFormatter', 'config_path', 'Progress']
+           'OneLineParser', 'HelpFormatter', 'config_path', 'Progress', 'run_notebooks']
 
 # %% ../notebooks/00_introduction.ipynb #a4f4ab1f
 SMOKE_ENV_VAR = "TUTORIAL_SMOKE"
@@ -292,10 +292,25 @@ def bf16_supported() -> bool:
         return False
 
 
-def main() -> None:
-    """Console script `tutorial-lib`: print the library version and what hardware it sees."""
+def main(argv: list[str] | None = None) -> None:
+    """Console script `tutorial-lib`: the environment report (section 5), or `run-notebooks` (section 7)."""
     from tutorial_lib import __version__
 
+    parser = OneLineParser(prog="tutorial-lib", formatter_class=HelpFormatter,
+                           description="The course's tools: without a command, what this machine offers.")
+    commands = parser.add_subparsers(dest="command")
+    run = commands.add_parser("run-notebooks", formatter_class=HelpFormatter,
+                              help="execute the notebooks in full mode, outputs written in place (then nbdev-clean)")
+    run.add_argument("notebooks", nargs="*", help="notebook files; default: every notebooks/NN_*.ipynb of this folder")
+    run.add_argument("--smoke", action="store_true", help="the small sizes the tests use; the files are left alone")
+    args = parser.parse_args(argv)
+    if args.command == "run-notebooks":
+        paths = args.notebooks or sorted(Path("notebooks").glob("[0-9][0-9]_*.ipynb"))
+        if not paths:
+            parser.error("no notebooks/NN_*.ipynb here: run it from the project folder, or name the notebooks")
+        seconds = run_notebooks(paths, smoke=args.smoke)
+        print(f"{len(seconds)} notebooks, {sum(seconds.values()) / 60:.1f} min in all")
+        return
     print(f"tutorial_lib {__version__}")
     for key, value in environment_report().items():
         print(f"  {key:<15} {value}")
@@ -488,3 +503,37 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+# %% ../notebooks/00_introduction.ipynb #afab46de
+def run_notebooks(paths: Iterable[str | os.PathLike], smoke: bool = False, timeout: float = 3600,
+                  clean: bool = True) -> dict[str, float]:
+    """Execute notebooks top to bottom in a fresh kernel each and return the seconds each took.
+
+    Full mode (`smoke=False`) writes the outputs into the files, then runs `nbdev-clean` (with `clean`) in
+    the project folder: how the committed outputs are made. Smoke mode only checks that they run and leaves the files alone. A failing cell
+    raises `nbclient`'s error naming the notebook and the cell."""
+    import nbclient
+    import nbformat
+
+    seconds = {}
+    env = {**os.environ, SMOKE_ENV_VAR: "1" if smoke else "0"}
+    old_env = os.environ.copy()
+    os.environ.update(env)  # the kernel inherits this process's environment
+    try:
+        for path in map(Path, paths):
+            nb = nbformat.read(path, as_version=4)
+            start = time.perf_counter()
+            nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                                    resources={"metadata": {"path": str(path.parent)}}).execute()
+            seconds[path.name] = time.perf_counter() - start
+            print(f"{path.name}: {seconds[path.name]:.0f} s ({'smoke' if smoke else 'full'} mode)", flush=True)
+            if not smoke:
+                nbformat.write(nb, path)
+    finally:
+        os.environ.clear()
+        os.environ.update(old_env)
+    if clean and not smoke and seconds:
+        import subprocess
+
+        subprocess.run([str(Path(sys.executable).with_name("nbdev-clean"))], cwd=Path(path).parent.parent, check=True)
+    return seconds
