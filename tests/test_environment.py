@@ -58,3 +58,34 @@ def test_pip_part_of_environment_resolves_from_the_package_index(tmp_path):
                              "-r", str(pip_requirements(tmp_path))],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_with_torch_in_place_no_requirement_pulls_cuda_packages():
+    """A CPU-only user installs PyTorch's CPU build first (README): nothing else the project asks for, in its base
+    install or its extras, may depend on NVIDIA's CUDA packages, or pip would fetch gigabytes of them anyway."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from packaging.requirements import Requirement
+
+    def requirements(dist_name: str, extras: set[str]) -> list[Requirement]:
+        reqs = [Requirement(r) for r in distribution(dist_name).requires or []]
+        return [r for r in reqs if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in extras | {""})]
+
+    seen, todo, cuda = set(), [("tutorial_lib", {"dev", "hub", "tensorboard"})], []
+    while todo:
+        name, extras = todo.pop()
+        try:
+            reqs = requirements(name, extras)
+        except PackageNotFoundError:  # an optional dependency of a dependency, not installed here
+            continue
+        for req in reqs:
+            key = req.name.lower().replace("_", "-")
+            if key in ("torch", "torchvision", "torchaudio") or key in seen:
+                continue  # torch is the one the user installed for the CPU; what it needs is its own business
+            seen.add(key)
+            if key.startswith(("nvidia-", "cuda-", "triton")):
+                cuda.append(f"{req} (needed by {name})")
+                continue
+            todo.append((req.name, set(req.extras)))
+    assert len(seen) > 20, "the walk should reach the project's dependencies"
+    assert not cuda, f"these would pull CUDA: {cuda}"

@@ -186,6 +186,9 @@ def test_shipped_accelerate_configs_and_slurm_script_are_valid():
     subprocess.run(["bash", "-n", str(slurm)], check=True)
     text = slurm.read_text()
     assert "#SBATCH --nodes=2" in text and "--machine_rank \"$SLURM_NODEID\"" in text and "2nodes_8gpus.yaml" in text
+    # a warning ahead of the time limit, passed on as SIGTERM (the script's polite stop), then a requeue
+    assert "#SBATCH --signal=B:USR1@" in text and 'kill -TERM "$training"' in text and "scontrol requeue" in text
+    assert "--checkpoint_every_steps" in text and "--resume_from_checkpoint latest" in text
     with pytest.raises(FileNotFoundError, match="choose one of"):
         config_path("16gpus.yaml")
 
