@@ -9,9 +9,14 @@ import io
 import json
 import math
 import multiprocessing
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
 
 import pytest
 import torch
@@ -291,3 +296,53 @@ def test_launch_with_timeout_gives_up_after_its_attempts(tmp_path):
     with pytest.raises(Exception):
         launch_with_timeout(hang_once_on_rank_1, (marker,), num_processes=2, timeout=10, attempts=1)
     assert Path(marker).read_text() == "x"
+
+
+THREADS_SCRIPT = """
+import json, sys
+import torch
+from accelerate import debug_launcher
+
+sys.path.insert(0, sys.argv[3])
+threads, out = int(sys.argv[1]), sys.argv[2]
+
+
+def worker():
+    torch.set_num_threads(threads)  # inside the worker: OMP_NUM_THREADS alone may give fewer threads
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+    from tutorial_lib.accel import ClassificationMetrics
+    from test_accel import BATCH_SIZE, NUM_CLASSES, make_logits_dataset
+
+    accelerator = Accelerator(cpu=True)
+    loader = accelerator.prepare(DataLoader(make_logits_dataset(), batch_size=BATCH_SIZE, shuffle=False))
+    exact = ClassificationMetrics(NUM_CLASSES)
+    for logits, labels in loader:
+        exact.gather_update(accelerator, logits, labels,
+                            torch.nn.functional.cross_entropy(logits, labels, reduction="none"))
+    if accelerator.is_main_process:
+        json.dump({**exact.compute(), "threads": torch.get_num_threads()}, open(out, "w"))
+
+
+debug_launcher(worker, num_processes=2)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_two_process_exact_metrics_hold_their_tolerance_at_any_thread_count(tmp_path, threads):
+    """06's check: counts and accuracies exactly, the loss within 1e-9. Each sample's loss is computed alone, in
+    float32, the same on any process; only the float64 sum runs in another order on 2 processes than on 1, an
+    error of at most 37 additions x 1.1e-16 relative, far below 1e-9. A fresh interpreter per thread count: a
+    process whose OpenMP threads already ran can hang the workers it forks."""
+    out = tmp_path / "exact.json"
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    subprocess.run([sys.executable, "-c", THREADS_SCRIPT, str(threads), str(out), str(Path(__file__).parent)],
+                   env=env, check=True, timeout=180, cwd=ROOT)
+    got, ds = json.loads(out.read_text()), make_logits_dataset()
+    single = ClassificationMetrics(NUM_CLASSES)  # the same metric on one process, over the same samples
+    single.update(*ds.tensors, torch.nn.functional.cross_entropy(*ds.tensors, reduction="none"))
+    single = single.compute()
+    assert got["threads"] == threads
+    assert got["count"] == N_SAMPLES and got["top1"] == single["top1"] and got["top5"] == single["top5"], (got, single)
+    assert abs(got["loss"] - single["loss"]) < 1e-9, (got, single)
