@@ -31,7 +31,8 @@ from tutorial_lib.data import (DataLayoutError, DataSourceError, Devkit, RecordD
                                build_datasets, embedded_data_path, from_archives, main, read_devkit,
                                resolve_data_source, run_data_benchmark, scan_image_folder, verify_unpacked,
                                write_shards)
-from tutorial_lib.train import default_args, latest_checkpoint, train
+from tutorial_lib.accel import latest_checkpoint
+from tutorial_lib.train import default_args, train
 from train_helpers import ROOT, TINY, bitwise_equal, launch, max_weight_difference, weights
 
 EMBEDDED = embedded_data_path()
@@ -291,15 +292,6 @@ def test_unreachable_hub_id_fails_with_one_line(tmp_path):
     assert "nobody-here/no-such-dataset" in message and "hf auth login" in message and "\n" not in message
 
 
-def _train_checks_paths_with_resolve_data_source() -> bool:
-    import inspect
-    import tutorial_lib.train
-    return "resolve_data_source" in inspect.getsource(tutorial_lib.train._check_args)
-
-
-@pytest.mark.skipif(not _train_checks_paths_with_resolve_data_source(),
-                    reason="tutorial_lib.train._check_args refuses a --path_to_data that is not a folder (Path.is_dir), "
-                           "so a Hub id never reaches build_datasets; it should call resolve_data_source instead")
 def test_training_script_trains_from_a_hub_id_as_from_folders(tmp_path, monkeypatch, hub_parquet):
     """The Hub replaced by a local folder of the same layout: the same weights as from the folders."""
     import datasets
