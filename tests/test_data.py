@@ -2,12 +2,18 @@
 
 Everything runs on images generated in tmp_path, on the embedded dataset, or on the five real ImageNet
 JPEGs committed in tests/assets/imagenet; only the last test reads ../shared beside the project root (and skips without it)."""
+import gzip
 import hashlib
 import json
+import os
 import random
+import re
+import struct
 import subprocess
 import sys
 import warnings
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +23,9 @@ import torchvision.transforms.functional as TF
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from tutorial_lib.data import (IMAGENET_MEAN, IMAGENET_STD, CropParams, DataLayoutError, EncodedTransform,
-                               EpochSeededSampler, FastTrainTransform, FastValTransform, UnreadableImageError,
+from tutorial_lib.data import (IMAGENET_MEAN, IMAGENET_STD, SKIPPED_LABEL, CropParams, DataLayoutError,
+                               EncodedTransform, EpochSeededDataset, EpochSeededSampler, FastTrainTransform,
+                               FastValTransform, ScanReport, UnreadableImageError, base_dataset,
                                build_datasets, build_loaders, center_crop_params, classic_transforms, collate_images,
                                decode_batch_on_device, decode_jpegs_on_cuda, decode_rgb, embedded_data_path, find_split_dirs,
                                format_data_benchmark, jpeg_size, largest_dct_reduction, list_images, load_pil_rgb,
@@ -236,19 +243,18 @@ def test_dataset_raises_on_a_truncated_file_by_default(tmp_path, pipeline):
         train[0]
 
 
-def test_skip_policy_replaces_counts_and_reports_the_bad_file(tmp_path):
+def test_skip_policy_replaces_counts_and_reports_the_bad_file(tmp_path, capsys):
     root = make_tree(tmp_path / "data")
     bad = root / "train" / "n01" / "n01_1.JPEG"
     bad.write_bytes(bad.read_bytes()[:200])
     train, _ = build_datasets(root, img_size=16, on_bad_file="skip")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        items = [train[k] for k in range(len(train))]
-    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    assert len(items) == len(train) and all(x.shape == (3, 16, 16) for x, _ in items)
+    items = [train[k] for k in range(len(train))] + [train[1]]
+    messages = capsys.readouterr().err.splitlines()
+    assert len(items) == len(train) + 1 and all(x.shape == (3, 16, 16) for x, _ in items)
     assert items[1][1] == 0  # replaced by the next readable image, n01_2, same class here
-    assert train.skipped == 1 and len(messages) == 1 and "n01_1.JPEG" in messages[0]
-    assert "skipped 1 unreadable image" in train.skip_report()
+    assert train.skipped == 2 and len(messages) == 1, "counted each time, named once"
+    assert messages[0].startswith(f"warning: skipped {bad}: ") and "replaced by the next readable file" in messages[0]
+    assert "skipped 2 unreadable image(s), 1 distinct file(s)" in train.skip_report()
 
 
 def test_skip_count_is_shared_by_loader_workers(tmp_path):
@@ -351,6 +357,249 @@ def test_invalid_options_are_refused():
     train, val = build_datasets(embedded_data_path(), img_size=8)
     with pytest.raises(ValueError, match="lower the batch size"):
         build_loaders(train, val, batch_size=10_000)
+
+
+# ---------------------------------------------------------------- bad inputs: odd folders
+
+def scan_with_report(folder: Path):
+    report = ScanReport(str(folder))
+    classes, samples = scan_image_folder(folder, report)
+    return classes, samples, report
+
+
+def test_symlink_loop_in_a_class_folder_is_read_once_and_reported(tmp_path):
+    root = make_tree(tmp_path / "data", per_class=3)
+    n01 = root / "train" / "n01"
+    (n01 / "loop").symlink_to(n01, target_is_directory=True)  # n01/loop/loop/loop/… without end
+    (n01 / "deeper").mkdir()
+    (n01 / "deeper" / "back_up").symlink_to(n01.parent, target_is_directory=True)  # up to train/ itself
+    classes, samples, report = scan_with_report(root / "train")
+    assert classes == ["n01", "n02"] and len(samples) == 6, [Path(p).relative_to(root) for p, _ in samples]
+    assert len({os.path.realpath(p) for p, _ in samples}) == 6, "each image once"
+    assert sorted(os.path.relpath(p, n01) for p in report.revisited) == ["deeper/back_up", "loop"]
+    assert "2 folders reached again through a link, read once" in report.line()
+
+
+def test_a_link_to_another_class_folder_does_not_label_its_images_twice(tmp_path):
+    root = make_tree(tmp_path / "data", per_class=2)
+    (root / "train" / "n01" / "also_n02").symlink_to(root / "train" / "n02", target_is_directory=True)
+    _, samples, report = scan_with_report(root / "train")
+    assert sorted((Path(p).name, y) for p, y in samples) == [("n01_0.JPEG", 0), ("n01_1.JPEG", 0),
+                                                            ("n02_0.JPEG", 1), ("n02_1.JPEG", 1)]
+    assert report.counts()["revisited"] == 1
+    (root / "val" / "n03").symlink_to(root / "val" / "n02", target_is_directory=True)
+    with pytest.raises(DataLayoutError) as err:
+        scan_image_folder(root / "val")
+    assert "n02 and" in one_line(err) and "same folder" in str(err.value)
+
+
+def test_hidden_files_and_folders_are_left_out_and_counted(tmp_path):
+    root = make_tree(tmp_path / "data", per_class=2)
+    train = root / "train"
+    checkpoints = train / "n01" / ".ipynb_checkpoints"
+    save(photo_like(), checkpoints / "n01_0-checkpoint.JPEG")
+    save(photo_like(), train / ".ipynb_checkpoints" / "n09" / "x.JPEG")  # a hidden folder beside the classes
+    (train / "n02" / ".DS_Store").write_bytes(b"\0" * 8)
+    save(photo_like(), train / "n02" / "._n02_0.JPEG")  # what macOS leaves on other file systems
+    classes, samples, report = scan_with_report(train)
+    assert classes == ["n01", "n02"] and len(samples) == 4
+    assert not any("/." in p for p, _ in samples), "nothing under a hidden name is trained on"
+    assert report.counts() == {"hidden_files": 2, "hidden_folders": 2, "not_images": 0, "revisited": 0,
+                               "unreadable": 0}
+    assert "2 hidden files and 2 hidden folders (names starting with '.'" in report.line()
+
+
+def test_files_that_are_not_images_are_counted_by_kind(tmp_path):
+    root = make_tree(tmp_path / "data", per_class=2)
+    n01 = root / "train" / "n01"
+    save(photo_like(), n01 / "scan.tif", fmt="TIFF")
+    save(photo_like(), n01 / "n01_no_extension", fmt="JPEG")
+    (root / "train" / "README.txt").write_text("class list")
+    (n01 / "broken.JPEG").symlink_to(tmp_path / "nowhere.JPEG")  # a dangling link is a sample: met when loaded
+    _, samples, report = scan_with_report(root / "train")
+    assert len(samples) == 5 and any(p.endswith("broken.JPEG") for p, _ in samples)
+    assert report.counts()["not_images"] == 3
+    line = report.line()
+    assert line.startswith(f"warning: {root / 'train'}: left out 3 files that are not an image by name "
+                           "(.tif, .txt, no extension;"), line
+    assert "\n" not in line
+
+
+def test_build_datasets_prints_one_warning_line_per_split_that_left_something_out(tmp_path, capsys):
+    root = make_tree(tmp_path / "data", per_class=2)
+    save(photo_like(), root / "val" / "n01" / "scan.tif", fmt="TIFF")
+    (root / "val" / "n02" / ".hidden.JPEG").write_bytes(b"x")
+    lines = []
+    train, val = build_datasets(root, img_size=16, log=lines.append)
+    assert lines == [val.left_out.line()] and train.left_out.line() is None
+    assert lines[0] == (f"warning: {root / 'val'}: left out 1 hidden file (names starting with '.', e.g. "
+                        "n02/.hidden.JPEG), 1 file that is not an image by name (.tif; e.g. n01/scan.tif; "
+                        "images end in .jpg/.jpeg/.png/.bmp/.webp)")
+    build_datasets(root, img_size=16)  # default: printed on stderr, once
+    assert capsys.readouterr().err == lines[0] + "\n"
+    build_datasets(root, img_size=16, log=None)
+    assert capsys.readouterr().err == ""
+
+
+def test_list_images_follows_links_but_enters_each_folder_once(tmp_path):
+    folder = tmp_path / "photos"
+    save(photo_like(), folder / "a.JPEG")
+    (folder / "again").symlink_to(folder, target_is_directory=True)
+    assert list_images(folder) == [str(folder / "a.JPEG")]
+
+
+# ---------------------------------------------------------------- bad inputs: skipping, counted and exact
+
+def solid_tree(root: Path, per_class: int = 5, classes=("n01", "n02")) -> dict[str, int]:
+    """Images of one flat grey level each (PNG, so exact after any resize): the level names the file."""
+    levels = {}
+    for split in ("train", "val"):
+        for c in classes:
+            for i in range(per_class):
+                level = 10 + 7 * len(levels)
+                path = root / split / c / f"{c}_{i}.png"
+                save(np.full((20, 24, 3), level, np.uint8), path, fmt="PNG")
+                levels[str(path)] = level
+    return levels
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("pipeline", ["fast", "classic", "gpu"])
+def test_a_bad_val_image_is_dropped_never_replaced_so_each_image_counts_once(tmp_path, workers, pipeline):
+    from tutorial_lib.accel import ClassificationMetrics
+    levels = solid_tree(tmp_path / "data")
+    bad = tmp_path / "data" / "val" / "n01" / "n01_2.png"
+    bad.write_bytes(b"not a png any more")
+    train, val = build_datasets(tmp_path / "data", img_size=8, pipeline=pipeline, on_bad_file="skip", log=None)
+    _, loader = build_loaders(train, val, batch_size=4, num_workers=workers)
+    metrics = ClassificationMetrics(2)
+    seen, sizes = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for images, labels in loader:
+            sizes.append(len(labels))
+            if pipeline == "gpu":  # encoded bytes, decoded and cropped on the device (here the CPU)
+                images = decode_batch_on_device(images, 8, train=False, device="cpu")
+            keep = labels != SKIPPED_LABEL  # what evaluation does after gathering the batch
+            metrics.update(torch.zeros(int(keep.sum()), 2), labels[keep])
+            pixels = images[keep] * 0.229 + 0.485 if pipeline == "classic" else images[keep].float() / 255  # undo normalising
+            seen += [round(float(x[0].mean()) * 255) for x in pixels]
+    expected = sorted(level for path, level in levels.items() if "/val/" in path and path != str(bad))
+    assert sizes == [4, 4, 2], "batches keep their size: every process of a multi-process run gathers alike"
+    assert metrics.compute()["count"] == len(val) - 1 == 9
+    assert sorted(seen) == expected, "every readable val image exactly once, the bad one not at all"
+    assert val.skipped == 1 and val.bad_files() == [str(bad)]
+
+
+def test_skips_are_counted_per_epoch_and_named_once_with_persistent_workers(tmp_path, capfd):
+    root = make_tree(tmp_path / "data", per_class=4)
+    bad = [root / "train" / "n01" / "n01_1.JPEG", root / "train" / "n02" / "n02_3.JPEG"]
+    for path in bad:
+        path.write_bytes(path.read_bytes()[:150])
+    train, val = build_datasets(root, img_size=16, on_bad_file="skip", log=None)
+    wrapped = EpochSeededDataset(torch.utils.data.Subset(train, range(len(train))))
+    loader, _ = build_loaders(wrapped, val, batch_size=2, num_workers=2)
+    assert loader.persistent_workers and base_dataset(loader) is train
+    reports = []
+    for epoch in range(2):
+        wrapped.set_epoch(epoch)
+        assert sum(len(y) for _, y in loader) == 8, "training batches stay full: a bad file is replaced"
+        reports.append(base_dataset(wrapped).take_skips())
+    assert reports == [(2, [str(p) for p in bad]), (2, [])], "counted every epoch, named the first time only"
+    assert train.skipped == 4 and train.take_skips() == (0, [])
+    err = capfd.readouterr().err
+    assert all(err.count(str(p)) == 1 for p in bad), err
+
+
+# ---------------------------------------------------------------- bad inputs: bombs, missing files, 16-bit PNGs
+
+def jpeg_bomb(path: Path, size: int = 20000) -> Path:
+    """A real JPEG whose frame header (SOF0) says size × size pixels."""
+    data = bytearray(save(photo_like(), path, quality=90).read_bytes())
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5: sof + 9] = size.to_bytes(2, "big") * 2
+    path.write_bytes(data)
+    assert jpeg_size(bytes(data)) == (size, size)
+    return path
+
+
+def png_bomb(path: Path, size: int = 20000) -> Path:
+    """A real PNG whose IHDR says size × size pixels (CRC corrected)."""
+    data = bytearray(save(photo_like(), path, fmt="PNG").read_bytes())
+    data[16:24] = struct.pack(">II", size, size)
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+    path.write_bytes(data)
+    return path
+
+
+BOMB_REASON = "its header says"
+
+
+@pytest.mark.parametrize("make", [jpeg_bomb, png_bomb], ids=["jpeg", "png"])
+def test_a_decompression_bomb_is_an_unreadable_image_named_in_every_pipeline(tmp_path, make):
+    path = make(tmp_path / "bomb.JPEG")
+    expected = rf"cannot decode image {re.escape(str(path))}: its header says .*400,000,000 pixels, over the " \
+               r"decompression-bomb limit .*on_bad_file='skip'"
+    calls = {"decode_rgb": lambda: decode_rgb(read_bytes(path), path),
+             "fast train": lambda: FastTrainTransform(32)(read_bytes(path), path),
+             "fast val": lambda: FastValTransform(32)(read_bytes(path), path),
+             "no reduced decode": lambda: FastValTransform(32, reduced_decode=False)(read_bytes(path), path),
+             "classic": lambda: load_pil_rgb(path),
+             "gpu": lambda: EncodedTransform()(read_bytes(path), path)}
+    for name, call in calls.items():
+        with pytest.raises(UnreadableImageError, match=expected):
+            call()
+
+
+@pytest.mark.parametrize("pipeline", ["fast", "classic", "gpu"])
+def test_bomb_and_missing_files_stop_with_their_name_or_are_counted_skips(tmp_path, pipeline):
+    root = make_tree(tmp_path / "data", per_class=3)
+    n01 = root / "train" / "n01"
+    jpeg_bomb(n01 / "n01_1.JPEG")
+    (n01 / "n01_3.JPEG").symlink_to(tmp_path / "moved_away.JPEG")  # a dangling link
+    strict, _ = build_datasets(root, img_size=16, pipeline=pipeline, log=None)
+    (n01 / "n01_2.JPEG").unlink()  # deleted after the scan
+    names = [Path(p).name for p, _ in strict.samples]
+    for name, reason in [("n01_1.JPEG", BOMB_REASON), ("n01_2.JPEG", "no such file"), ("n01_3.JPEG", "no such file")]:
+        with pytest.raises(UnreadableImageError) as err:
+            strict[names.index(name)]
+        assert str(n01 / name) in one_line(err) and reason in str(err.value), str(err.value)
+    skip, val = build_datasets(root, img_size=16, pipeline=pipeline, on_bad_file="skip", log=None)
+    (n01 / "n01_0.JPEG").unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        items = [skip[k] for k in range(len(skip))]
+    assert len(items) == 6 and skip.skipped == 3 + 2 + 1, "a bad file is counted every time it is met"
+    assert [Path(p).name for p in skip.bad_files()] == ["n01_0.JPEG", "n01_1.JPEG", "n01_3.JPEG"]
+
+
+def png16(array: np.ndarray) -> bytes:
+    """A 16-bit RGB PNG (colour type 2, bit depth 16), written by hand: PIL cannot write one."""
+    height, width, _ = array.shape
+    chunk = lambda kind, body: (struct.pack(">I", len(body)) + kind + body
+                                + struct.pack(">I", zlib.crc32(kind + body)))
+    rows = b"".join(b"\0" + array[y].astype(">u2").tobytes() for y in range(height))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 16, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+
+def test_16_bit_pngs_named_jpeg_decode_to_8_bit_scaled_not_clipped(tmp_path):
+    yy, xx = np.mgrid[0:40, 0:60]
+    grey = np.minimum(xx * 1111 + yy * 7, 65535).astype(np.uint16)  # the whole 16-bit range
+    rgb = np.stack([grey, 65535 - grey, np.full_like(grey, 257 * 100)], axis=-1)
+    grey_path = tmp_path / "grey16.JPEG"
+    Image.fromarray(grey).save(grey_path, format="PNG")
+    assert Image.open(grey_path).mode == "I;16"
+    rgb_path = tmp_path / "rgb16.JPEG"
+    rgb_path.write_bytes(png16(rgb))
+    to8 = lambda a: ((a.astype(np.int64) * 255 + 32767) // 65535).astype(np.uint8)  # round(v · 255 / 65535)
+    for path, expected in [(grey_path, np.repeat(to8(grey)[..., None], 3, -1)), (rgb_path, to8(rgb))]:
+        fast = decode_rgb(read_bytes(path), path).permute(1, 2, 0).numpy()
+        assert np.array_equal(fast, expected), path.name
+        classic = np.asarray(load_pil_rgb(path)).astype(int)
+        # PIL reads 16-bit RGB as the high byte (v >> 8): at most one level below round(v · 255 / 65535)
+        assert np.abs(classic - expected).max() <= 1, (path.name, np.abs(classic - expected).max())
+    assert decode_rgb(read_bytes(grey_path)).float().mean() < 200, "PIL's convert('RGB') would clip it to white"
 
 
 # ---------------------------------------------------------------- prepare-val
@@ -459,6 +708,13 @@ def test_prepare_val_command_line(tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("error: validation folder") and bad.stderr.count("\n") == 1
 
 
+def test_prepare_val_with_its_arguments_swapped_says_so(tmp_path):
+    val = flat_val(tmp_path / "val")
+    with pytest.raises(NotADirectoryError) as err:
+        prepare_val(kaggle_csv(tmp_path / "m.csv"), val)
+    assert "is a file, not the validation folder" in one_line(err) and "VAL_DIR MAPPING" in str(err.value)
+
+
 def test_main_applies_and_returns_2_on_a_mismatch(tmp_path, capsys):
     val = flat_val(tmp_path / "ok")
     assert main(["prepare-val", str(val), str(kaggle_csv(tmp_path / "m.csv")), "--apply"]) == 0
@@ -468,6 +724,72 @@ def test_main_applies_and_returns_2_on_a_mismatch(tmp_path, capsys):
     text.write_text("ILSVRC2012_val_00000001.JPEG n01440764\n")
     assert main(["prepare-val", str(val), str(text), "--apply"]) == 2
     assert "disagree" in capsys.readouterr().err and len(list(val.glob("*.JPEG"))) == 6
+
+
+def listing(folder: Path) -> list[tuple[str, int]]:
+    """Every path under `folder` with its modification time: what a refused run must leave as it was."""
+    return sorted((str(p.relative_to(folder)), p.lstat().st_mtime_ns) for p in folder.rglob("*"))
+
+
+def test_a_csv_with_a_byte_order_mark_is_read_as_without(tmp_path):
+    bom = tmp_path / "LOC_val_solution.csv"
+    bom.write_bytes(b"\xef\xbb\xbf" + kaggle_csv(tmp_path / "plain.csv").read_bytes())  # as spreadsheets save CSV
+    assert read_val_mapping(bom) == TRUTH
+    val = flat_val(tmp_path / "val")
+    assert main(["prepare-val", str(val), str(bom), "--apply"]) == 0
+    assert len(scan_image_folder(val)[1]) == 6
+
+
+def test_a_gzip_compressed_mapping_is_read_as_is(tmp_path):
+    text = "".join(f"{s}.JPEG {w}\n" for s, w in TRUTH.items()).encode()
+    (tmp_path / "labels.txt.gz").write_bytes(gzip.compress(text))
+    (tmp_path / "LOC_val_solution.csv.gz").write_bytes(gzip.compress(kaggle_csv(tmp_path / "m.csv").read_bytes()))
+    assert read_val_mapping(tmp_path / "labels.txt.gz") == read_val_mapping(tmp_path / "LOC_val_solution.csv.gz") == TRUTH
+
+
+def unusable_mapping(tmp_path: Path, case: str) -> Path:
+    if case == "unbalanced quote":
+        path = kaggle_csv(tmp_path / "LOC_val_solution.csv")
+        lines = path.read_text().splitlines()
+        lines[3] = lines[3].replace(",", ',"', 1)  # line 4: ILSVRC2012_val_00000003,"n02085620 1 2 …
+        path.write_text("\n".join(lines) + "\n")
+    elif case == "a folder":
+        path = tmp_path / "labels"
+        path.mkdir()
+        kaggle_csv(path / "LOC_val_solution.csv")
+    elif case == "devkit ground truth":
+        path = tmp_path / "ILSVRC2012_validation_ground_truth.txt"
+        path.write_text("".join(f"{k}\n" for k in (490, 361, 171, 822, 297, 482)))
+    elif case == "zip archive":
+        path = tmp_path / "imagenet-object-localization-challenge.zip"
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.write(kaggle_csv(tmp_path / "m.csv"), "LOC_val_solution.csv")
+    elif case == "damaged gzip":
+        path = tmp_path / "labels.txt.gz"
+        path.write_bytes(gzip.compress(b"ILSVRC2012_val_00000001.JPEG n01440764\n" * 50)[:40])
+    else:  # not text
+        path = tmp_path / "labels.txt"
+        path.write_bytes(bytes(range(128, 256)) * 4)
+    return path
+
+
+@pytest.mark.parametrize("case, words", [
+    ("unbalanced quote", ["LOC_val_solution.csv:4: a stray or unbalanced quote"]),
+    ("a folder", ["is a folder, not a mapping file", "LOC_val_solution.csv"]),
+    ("devkit ground truth", ["one class number per line", "meta.mat", "ILSVRC2012_devkit_t12.tar.gz as MAPPING"]),
+    ("zip archive", ["is a zip archive, not a text file", "unzip"]),
+    ("damaged gzip", ["is a damaged gzip file"]),
+    ("not text", ["is not a text file", "not UTF-8"]),
+])
+def test_prepare_val_refuses_an_unusable_mapping_with_one_line_and_changes_nothing(tmp_path, capsys, case, words):
+    val = flat_val(tmp_path / "val")
+    mapping = unusable_mapping(tmp_path, case)
+    before = listing(tmp_path)
+    for extra in ([], ["--apply"], ["--apply", "--link", "--out", str(tmp_path / "linked")]):
+        assert main(["prepare-val", str(val), str(mapping), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: {mapping}") and all(w in err for w in words), err
+        assert listing(tmp_path) == before, "a refused run changes nothing"
 
 
 # ---------------------------------------------------------------- embedded dataset, loaders

@@ -505,6 +505,40 @@ def test_from_archives_refuses_user_errors_with_exit_2_before_writing(tmp_path, 
     assert not (tmp_path / "out").exists(), "nothing may be written before the checks pass"
 
 
+def flat_val_of(folder: Path, n: int = len(VAL)) -> Path:
+    folder.mkdir(parents=True)
+    pictures = sorted((EMBEDDED / "val" / "dog").iterdir())
+    for k in range(1, n + 1):
+        (folder / f"ILSVRC2012_val_{k:08d}.JPEG").write_bytes(pictures[k].read_bytes())
+    return folder
+
+
+@pytest.mark.parametrize("form", ["archive", "unpacked folder", "ground truth beside meta.mat"])
+def test_prepare_val_reads_the_devkit_class_numbers_through_its_meta_mat(tmp_path, form):
+    devkit = make_archives(tmp_path / "archives") / "ILSVRC2012_devkit_t12.tar.gz"
+    if form != "archive":
+        with tarfile.open(devkit) as tar:
+            tar.extractall(tmp_path / "unpacked", filter="data")
+        devkit = tmp_path / "unpacked" / "ILSVRC2012_devkit_t12"
+        if form == "ground truth beside meta.mat":
+            devkit = devkit / "data" / "ILSVRC2012_validation_ground_truth.txt"
+    val = flat_val_of(tmp_path / "val")
+    assert main(["prepare-val", str(val), str(devkit), "--apply"]) == 0
+    classes, samples = scan_image_folder(val)
+    assert {Path(p).name: classes[y] for p, y in samples} == {f"ILSVRC2012_val_{k:08d}.JPEG": w
+                                                              for k, w in enumerate(VAL, start=1)}
+
+
+def test_prepare_val_with_a_devkit_that_does_not_match_changes_nothing(tmp_path, capsys):
+    devkit = make_archives(tmp_path / "archives") / "ILSVRC2012_devkit_t12.tar.gz"
+    val = flat_val_of(tmp_path / "val", n=len(VAL) - 1)
+    before = sorted(p.name for p in val.iterdir())
+    assert main(["prepare-val", str(val), str(devkit), "--apply"]) == 2
+    err = capsys.readouterr().err
+    assert "1 labels have no image (ILSVRC2012_val_00000005)" in err and "nothing was changed" in err
+    assert sorted(p.name for p in val.iterdir()) == before
+
+
 def test_declared_counts_are_verified_and_the_official_devkit_demands_ilsvrc2012s(tmp_path):
     archives = make_archives(tmp_path / "archives", declared={"n02119789": 2, "n01440764": 3, "n02102040": 5})
     with pytest.raises(DataLayoutError, match="the devkit declares 5"):

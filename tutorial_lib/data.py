@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import csv
 import functools
+import gzip
 import io
 import json
 import math
@@ -13,10 +14,11 @@ import os
 import random
 import re
 import shutil
+import struct
 import sys
+import tarfile
 import time
-import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -29,19 +31,20 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from .core import in_notebook
 
 # %% auto #0
-__all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'IMG_EXTENSIONS', 'VAL_DIR_NAMES', 'SPLIT_ALIASES', 'OFFICIAL_ARCHIVES', 'SHARD_MB',
-           'ILSVRC2012_COUNTS', 'DataLayoutError', 'embedded_data_path', 'find_split_dirs', 'scan_image_folder',
-           'DataSourceError', 'DataSource', 'require_datasets', 'resolve_data_source', 'read_val_mapping',
-           'prepare_val', 'val_resize_size', 'classic_transforms', 'pipeline_stage_times', 'UnreadableImageError',
-           'read_bytes', 'jpeg_size', 'decode_rgb', 'load_pil_rgb', 'CropParams', 'sample_crop', 'center_crop_params',
-           'largest_dct_reduction', 'resized_crop_uint8', 'FastTrainTransform', 'FastValTransform',
-           'imagenet_mean_std_255', 'normalize_on_device', 'ImageFolderDataset', 'build_datasets', 'EpochSeededSampler',
-           'stack_images', 'collate_images', 'build_loaders', 'EpochSeededDataset', 'seeded_subset',
-           'progressive_resolution', 'resize_batch', 'list_images', 'benchmark_pipelines', 'run_data_benchmark',
-           'format_data_benchmark', 'print_data_benchmark', 'EncodedTransform', 'collate_encoded',
-           'decode_jpegs_on_cuda', 'decode_batch_on_device', 'hub_features', 'plan_shards', 'write_shards',
-           'RecordDataset', 'load_record_datasets', 'benchmark_records', 'Devkit', 'read_devkit', 'verify_unpacked',
-           'from_archives', 'get_args_parser', 'main']
+__all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'IMG_EXTENSIONS', 'VAL_DIR_NAMES', 'SPLIT_ALIASES', 'OFFICIAL_ARCHIVES',
+           'SKIPPED_LABEL', 'SHARD_MB', 'ILSVRC2012_COUNTS', 'DataLayoutError', 'embedded_data_path', 'find_split_dirs',
+           'ScanReport', 'scan_image_folder', 'DataSourceError', 'DataSource', 'require_datasets',
+           'resolve_data_source', 'read_val_mapping', 'prepare_val', 'val_resize_size', 'classic_transforms',
+           'pipeline_stage_times', 'UnreadableImageError', 'read_bytes', 'jpeg_size', 'decode_rgb', 'load_pil_rgb',
+           'CropParams', 'sample_crop', 'center_crop_params', 'largest_dct_reduction', 'resized_crop_uint8',
+           'FastTrainTransform', 'FastValTransform', 'imagenet_mean_std_255', 'normalize_on_device',
+           'ImageFolderDataset', 'base_dataset', 'build_datasets', 'EpochSeededSampler', 'stack_images',
+           'collate_images', 'build_loaders', 'EpochSeededDataset', 'seeded_subset', 'progressive_resolution',
+           'resize_batch', 'list_images', 'benchmark_pipelines', 'run_data_benchmark', 'format_data_benchmark',
+           'print_data_benchmark', 'EncodedTransform', 'collate_encoded', 'decode_jpegs_on_cuda',
+           'decode_batch_on_device', 'hub_features', 'plan_shards', 'write_shards', 'RecordDataset',
+           'load_record_datasets', 'benchmark_records', 'Devkit', 'read_devkit', 'verify_unpacked', 'from_archives',
+           'get_args_parser', 'main']
 
 # %% ../notebooks/07_data_pipeline.ipynb #16adf964
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -96,12 +99,82 @@ def _is_image(name: str) -> bool:
     return not name.startswith(".") and name.lower().endswith(IMG_EXTENSIONS)
 
 
-def scan_image_folder(folder: str | os.PathLike) -> tuple[list[str], list[tuple[str, int]]]:
+@dataclass
+class ScanReport:
+    """What a scan of an image folder left out, by reason, so that nothing is dropped without a count (07 §8)."""
+    folder: str
+    hidden_files: list[str] = field(default_factory=list)    # names starting with '.' (.DS_Store, ._x.JPEG)
+    hidden_folders: list[str] = field(default_factory=list)  # .ipynb_checkpoints/, .git/, …: not entered
+    not_images: list[str] = field(default_factory=list)      # no image extension (.tif, .txt, none), broken links
+    revisited: list[str] = field(default_factory=list)       # folders reached again through a link: not entered again
+    unreadable: list[str] = field(default_factory=list)      # folders the scan could not list (permissions)
+
+    def counts(self) -> dict[str, int]:
+        """Number of entries left out for each reason."""
+        return {k: len(v) for k, v in vars(self).items() if k != "folder"}
+
+    def line(self) -> str | None:
+        """One warning line naming what was left out and why, or None when nothing was."""
+        def some(paths: list[str]) -> str:
+            return os.path.relpath(sorted(paths)[0], self.folder)
+
+        def plural(n: int, word: str) -> str:
+            return f"{n} {word}{'' if n == 1 else 's'}"
+
+        parts = []
+        if self.hidden_files or self.hidden_folders:
+            hidden = [plural(n, f"hidden {w}") for n, w in [(len(self.hidden_files), "file"),
+                                                            (len(self.hidden_folders), "folder")] if n]
+            parts.append(f"{' and '.join(hidden)} (names starting with '.', e.g. "
+                         f"{some(self.hidden_folders or self.hidden_files)})")
+        if self.not_images:
+            kinds = sorted({os.path.splitext(p)[1].lower() or "no extension" for p in self.not_images})
+            parts.append(f"{plural(len(self.not_images), 'file')} that {'is' if len(self.not_images) == 1 else 'are'} "
+                         f"not an image by name ({', '.join(kinds[:5])}{', …' if len(kinds) > 5 else ''}; "
+                         f"e.g. {some(self.not_images)}; images end in {'/'.join(IMG_EXTENSIONS)})")
+        if self.revisited:
+            parts.append(f"{plural(len(self.revisited), 'folder')} reached again through a link, read once "
+                         f"(e.g. {some(self.revisited)})")
+        if self.unreadable:
+            parts.append(f"{plural(len(self.unreadable), 'folder')} that cannot be listed (e.g. {some(self.unreadable)})")
+        return f"warning: {self.folder}: left out {', '.join(parts)}" if parts else None
+
+
+def _walk_images(top: str, visited: set[str], report: ScanReport) -> list[str]:
+    """Image files under `top`, sorted. Links are followed, but each folder is entered once, by its real
+    path (`visited`), so a link loop cannot multiply the images; what is left out goes into `report`."""
+    files = []
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True,
+                                                onerror=lambda err: report.unreadable.append(err.filename)):
+        kept = []
+        for name in dirnames:
+            path = os.path.join(dirpath, name)
+            if name.startswith("."):
+                report.hidden_folders.append(path)
+                continue
+            real = os.path.realpath(path)
+            if real in visited:
+                report.revisited.append(path)
+                continue
+            visited.add(real)
+            kept.append(name)
+        dirnames[:] = kept  # os.walk enters only these
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            (files if _is_image(name) else report.hidden_files if name.startswith(".") else report.not_images).append(path)
+    return sorted(files)
+
+
+def scan_image_folder(folder: str | os.PathLike, report: ScanReport | None = None
+                      ) -> tuple[list[str], list[tuple[str, int]]]:
     """Sorted class names and `(path, class_index)` samples of one split folder `<class>/<image>`.
 
     Refuses (one line each) a missing folder, a folder without class folders, loose images beside
-    class folders (a half-prepared ILSVRC2012 val folder) and empty class folders."""
+    class folders (a half-prepared ILSVRC2012 val folder) and empty class folders. Each folder is
+    read once even when links lead to it again; hidden entries (names starting with '.') and files
+    without an image extension are left out and listed in `report` (07 §8)."""
     folder = Path(folder)
+    report = report if report is not None else ScanReport(str(folder))
     if not folder.is_dir():
         raise FileNotFoundError(f"image folder {folder} does not exist: check the path")
     entries = sorted(os.scandir(folder), key=lambda e: e.name)
@@ -116,10 +189,22 @@ def scan_image_folder(folder: str | os.PathLike) -> tuple[list[str], list[tuple[
     if loose:
         raise DataLayoutError(f"{folder} mixes {len(loose)} loose images (e.g. {loose[0]}) with "
                               f"{len(class_dirs)} class folders: move them into their class folders (`{prepare}`)")
+    for e in entries:  # beside the class folders: hidden entries and files that are not images
+        if e.name.startswith("."):
+            (report.hidden_folders if e.is_dir() else report.hidden_files).append(e.path)
+        elif not e.is_dir():
+            report.not_images.append(e.path)
+    visited, first_class = {os.path.realpath(folder)}, {}  # a link back up to the split folder is not followed either
+    for name in class_dirs:
+        real = os.path.realpath(folder / name)
+        if real in first_class:
+            raise DataLayoutError(f"class folders {folder / first_class[real]} and {folder / name} are the same folder "
+                                  f"({real}, through a link): give each class its own folder")
+        first_class[real] = name
+    visited |= set(first_class)
     samples = []
     for index, name in enumerate(class_dirs):
-        files = sorted(os.path.join(dirpath, f) for dirpath, _, names in os.walk(folder / name, followlinks=True)
-                       for f in names if _is_image(f))
+        files = _walk_images(str(folder / name), visited, report)
         if not files:
             raise DataLayoutError(f"class folder {folder / name} has no images ({'/'.join(IMG_EXTENSIONS)}): "
                                   "add its images or delete the empty folder")
@@ -220,8 +305,12 @@ def resolve_data_source(path_to_data: str | os.PathLike | DataSource) -> DataSou
     return DataSource("folders", str(root))
 
 # %% ../notebooks/07_data_pipeline.ipynb #b4c96ac6
-_DEVKIT_HINT = ("if the labels are class numbers (ILSVRC2012_validation_ground_truth.txt), use Kaggle's "
-                "LOC_val_solution.csv or a 'filename wnid' file instead")
+_MAPPING_FORMS = ("LOC_val_solution.csv (Kaggle), a text file of 'filename wnid' lines, or the devkit archive "
+                  "ILSVRC2012_devkit_t12.tar.gz")
+_GROUND_TRUTH = "ILSVRC2012_validation_ground_truth.txt"
+_DEVKIT_HINT = (f"class numbers (the devkit's {_GROUND_TRUTH}) become folder names only through the devkit's "
+                "meta.mat: pass the devkit archive ILSVRC2012_devkit_t12.tar.gz as MAPPING instead "
+                "(or Kaggle's LOC_val_solution.csv)")
 
 
 def _image_stem(name: str) -> str:
@@ -230,34 +319,94 @@ def _image_stem(name: str) -> str:
     return os.path.splitext(base)[0] if base.lower().endswith(IMG_EXTENSIONS) else base
 
 
+def _mapping_text(path: Path) -> str:
+    """The text of a mapping file: UTF-8 with or without a byte-order mark (as spreadsheets save CSV),
+    UTF-16, or gzip-compressed (read as is); other compressed or binary files are refused saying what they are."""
+    data = path.read_bytes()
+    if data[:2] == b"\x1f\x8b":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as err:
+            raise ValueError(f"{path} is a damaged gzip file ({_reason(err)}): download it again") from None
+    for magic, what, how in [(b"PK\x03\x04", "a zip archive", f"unzip {path}"), (b"BZh", "bzip2-compressed",
+                             f"bunzip2 -k {path}"), (b"\xfd7zXZ\x00", "xz-compressed", f"unxz -k {path}")]:
+        if data.startswith(magic):
+            raise ValueError(f"{path} is {what}, not a text file: decompress it ({how}) and pass the mapping file inside")
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        return data.decode("utf-16")
+    try:
+        return data.decode("utf-8-sig")  # drops a byte-order mark, which would otherwise glue onto the first name
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not a text file (byte {err.start} is {data[err.start]:#04x}, not UTF-8): pass "
+                         f"{_MAPPING_FORMS}") from None
+
+
+def _devkit_mapping(path: Path) -> dict[str, str]:
+    """Image stem → wnid from the devkit (its archive, or a folder holding meta.mat and the ground truth)."""
+    devkit = read_devkit(path)
+    return {f"ILSVRC2012_val_{k:08d}": devkit.wnids[i - 1] for k, i in enumerate(devkit.val_ids, start=1)}
+
+
+def _is_tar(path: Path) -> bool:
+    """A tar archive, compressed or not (the devkit); False for text and for damaged compressed files."""
+    try:
+        return tarfile.is_tarfile(path)
+    except (OSError, EOFError):  # a truncated gzip file: reported by _mapping_text
+        return False
+
+
+def _csv_fields(path: Path, lineno: int, line: str) -> list[str]:
+    try:
+        return next(csv.reader([line], strict=True), [])
+    except csv.Error:
+        raise ValueError(f'{path}:{lineno}: a stray or unbalanced quote (") in {line[:60]!r}: remove it or close '
+                         "it; a quote would otherwise swallow the lines after it") from None
+
+
 def read_val_mapping(path: str | os.PathLike) -> dict[str, str]:
-    """Image stem → class folder, from `LOC_val_solution.csv` or a text file of `filename wnid` lines."""
-    path = Path(path)
+    """Image stem → class folder, from `LOC_val_solution.csv`, a text file of `filename wnid` lines (also
+    gzip-compressed) or the ILSVRC2012 devkit (its archive, or the folder it unpacks to) (07 §2, §11)."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        if next(path.rglob("meta.mat"), None) and next(path.rglob(_GROUND_TRUTH), None):
+            return _devkit_mapping(path)  # the unpacked devkit
+        raise IsADirectoryError(f"{path} is a folder, not a mapping file: pass {_MAPPING_FORMS}")
     if not path.is_file():
-        raise FileNotFoundError(f"mapping file {path} does not exist: pass LOC_val_solution.csv or a 'filename wnid' file")
-    lines = path.read_text().splitlines()
+        raise FileNotFoundError(f"mapping file {path} does not exist: pass {_MAPPING_FORMS}")
+    if _is_tar(path):
+        return _devkit_mapping(path)
+    lines = _mapping_text(path).splitlines()
+    numbers = [line.strip() for line in lines if line.strip()]
+    if numbers and all(n.isdigit() for n in numbers):  # the devkit's ground truth: one class number per line
+        if (path.parent / "meta.mat").is_file():  # as unpacked from the devkit: data/meta.mat beside it
+            return _devkit_mapping(path.parent)
+        raise ValueError(f"{path} holds one class number per line, not 'filename wnid' lines: {_DEVKIT_HINT}")
     rows = []  # (line number, file name, label)
-    if lines and lines[0].split(",")[0].strip() == "ImageId":  # Kaggle: ImageId,PredictionString="wnid x y x y ..."
-        for lineno, row in enumerate(csv.DictReader(lines), start=2):
-            rows.append((lineno, row.get("ImageId") or "", ((row.get("PredictionString") or "").split() or [""])[0]))
-    else:
-        for lineno, line in enumerate(lines, start=1):
-            fields = line.replace(",", " ").split()
-            if fields and not fields[0].startswith("#"):
-                rows.append((lineno, fields[0], fields[1] if len(fields) > 1 else ""))
+    kaggle = bool(lines) and lines[0].split(",")[0].strip().strip('"') == "ImageId"
+    for lineno, line in enumerate(lines, start=1):
+        if kaggle:  # ImageId,PredictionString="wnid x y x y ..."
+            fields = _csv_fields(path, lineno, line)
+            if lineno > 1 and fields:
+                rows.append((lineno, fields[0], (" ".join(fields[1:]).split() or [""])[0]))
+            continue
+        if '"' in line:
+            _csv_fields(path, lineno, line)  # an unbalanced quote: say where
+        fields = line.replace(",", " ").replace('"', " ").split()
+        if fields and not fields[0].startswith("#"):
+            rows.append((lineno, fields[0], fields[1] if len(fields) > 1 else ""))
     mapping: dict[str, str] = {}
     for lineno, name, label in rows:
         if not name or not label:
             raise ValueError(f"{path}:{lineno}: expected 'filename wnid', got an incomplete line")
         if label.isdigit():
-            raise ValueError(f"{path}: label {label!r} is a class number, not a folder name: {_DEVKIT_HINT}")
+            raise ValueError(f"{path}:{lineno}: label {label!r} is a class number, not a folder name: {_DEVKIT_HINT}")
         if label in {".", ".."} or "/" in label or "\\" in label:
             raise ValueError(f"{path}:{lineno}: {label!r} cannot be a class folder name")
         stem = _image_stem(name)
         if mapping.setdefault(stem, label) != label:
             raise ValueError(f"{path}: {stem} is labelled both {mapping[stem]} and {label}: fix the mapping file")
     if not mapping:
-        raise ValueError(f"mapping file {path} has no entries")
+        raise ValueError(f"mapping file {path} has no entries: pass {_MAPPING_FORMS}")
     return mapping
 
 
@@ -272,6 +421,9 @@ def prepare_val(val_dir: str | os.PathLike, mapping: str | os.PathLike | dict[st
     Dry run unless `apply`; idempotent; moves (or, with `link`, symlinks into `out_dir`), never
     deletes; refuses, changing nothing, when the mapping and the files disagree. Returns the counts."""
     val_dir = Path(val_dir)
+    if val_dir.is_file():
+        raise NotADirectoryError(f"{val_dir} is a file, not the validation folder: the arguments are VAL_DIR MAPPING, "
+                                 "in that order")
     if not val_dir.is_dir():
         raise FileNotFoundError(f"validation folder {val_dir} does not exist: pass the folder of ILSVRC2012_val_*.JPEG files")
     labels = mapping if isinstance(mapping, dict) else read_val_mapping(mapping)
@@ -392,25 +544,65 @@ def pipeline_stage_times(files: Sequence[str | os.PathLike], img_size: int = 224
 
 # %% ../notebooks/07_data_pipeline.ipynb #f507b9cc
 class UnreadableImageError(OSError):
-    """An image file that cannot be decoded (truncated, corrupt, not an image)."""
+    """An image file that cannot be read or decoded (missing, truncated, corrupt, not an image, a decompression bomb)."""
 
 
 def _reason(err: BaseException) -> str:
     """First line of an error, without torchvision's `function, file.cpp:line, ` prefix."""
     if isinstance(err, UnidentifiedImageError):  # PIL names its in-memory buffer: a new address every run
         return "not a recognised image format"
+    if isinstance(err, FileNotFoundError):
+        return "no such file"
+    if isinstance(err, OSError) and err.strerror and err.filename:  # "[Errno 13] Permission denied: 'x'"
+        return err.strerror.lower()
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return re.sub(r"^\w+, \S+:\d+, ", "", text)
 
 
 def _unreadable(path, err: BaseException) -> UnreadableImageError:
-    return UnreadableImageError(f"cannot decode image {path}: {_reason(err)}; delete or replace the file, "
+    verb = "read" if isinstance(err, OSError) and err.filename is not None else "decode"  # the file itself vs its bytes
+    why = " (a broken link, or a file deleted after the folders were scanned)" if isinstance(err, FileNotFoundError) else ""
+    return UnreadableImageError(f"cannot {verb} image {path}: {_reason(err)}{why}; delete or replace the file, "
                                 "or build the datasets with on_bad_file='skip'")
 
 
+class _TooManyPixels(ValueError):
+    """A header that announces more pixels than PIL agrees to decode."""
+
+
+def _bomb_text(pixels: int, limit: int, dims: str = "") -> str:
+    return (f"its header says {dims}{pixels:,} pixels, over the decompression-bomb limit of {limit:,} "
+            "(2 × PIL.Image.MAX_IMAGE_PIXELS, which you may raise if the image really is this large), "
+            "so a damaged header or a decompression bomb")
+
+
+def _check_pixels(height: int, width: int) -> None:
+    """Refuse, before decoding, an image larger than PIL's decompression-bomb limit (2 × `Image.MAX_IMAGE_PIXELS`).
+
+    PIL checks it itself in `Image.open`; libjpeg-turbo and libpng (torchvision's decoders) do not,
+    and would allocate what the header asks: 1.2 GB for a 20,000 × 20,000 RGB image."""
+    limit = None if Image.MAX_IMAGE_PIXELS is None else 2 * Image.MAX_IMAGE_PIXELS
+    if limit is not None and height * width > limit:
+        raise _TooManyPixels(_bomb_text(height * width, limit, f"{width:,} × {height:,} = "))
+
+
+def _bomb_reason(err: BaseException) -> BaseException:
+    """PIL's `DecompressionBombError` (not an `OSError`) in the words of `_check_pixels`."""
+    sizes = [int(n) for n in re.findall(r"\d+", str(err))]
+    return _TooManyPixels(_bomb_text(sizes[0], sizes[1])) if len(sizes) >= 2 else err
+
+
+_DECODE_ERRORS = (RuntimeError, OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+
+
 def read_bytes(path: str | os.PathLike) -> Tensor:
-    """The encoded file as a 1-D `uint8` tensor (what `torchvision.io.decode_*` expects)."""
-    return torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+    """The encoded file as a 1-D `uint8` tensor (what `torchvision.io.decode_*` expects).
+
+    A file that cannot be read (missing, a broken link, no permission) raises `UnreadableImageError` naming it."""
+    try:
+        return torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+    except OSError as err:
+        raise _unreadable(path, err) from err
 
 
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
@@ -443,42 +635,67 @@ def jpeg_size(data: Tensor | bytes) -> tuple[int, int] | None:
     return None
 
 
+def _rgb8(im: Image.Image) -> Image.Image:
+    """An 8-bit RGB copy of a PIL image. 16-bit greyscale (`I;16`) is scaled 0…65535 → 0…255, where PIL's
+    own `convert("RGB")` would clip every value above 255 to white."""
+    if im.mode == "I" or im.mode.startswith("I;16"):
+        grey = np.asarray(im).astype(np.int64).clip(0, 65535)
+        return Image.fromarray(((grey * 255 + 32767) // 65535).astype(np.uint8)).convert("RGB")
+    return im.convert("RGB")
+
+
 def _pil_to_tensor(im: Image.Image) -> Tensor:
-    """RGB PIL image → `uint8` CHW tensor sharing an HWC buffer (the layout resize is fastest on)."""
-    return torch.from_numpy(np.array(im if im.mode == "RGB" else im.convert("RGB"))).permute(2, 0, 1)
+    """PIL image → RGB `uint8` CHW tensor sharing an HWC buffer (the layout resize is fastest on)."""
+    return torch.from_numpy(np.array(im if im.mode == "RGB" else _rgb8(im))).permute(2, 0, 1)
+
+
+def _to_uint8(img: Tensor) -> Tensor:
+    """16-bit samples (a 16-bit PNG) → `uint8`, rounding v · 255 / 65535 (65535 → 255)."""
+    return ((img.to(torch.int32) * 255 + 32767) // 65535).to(torch.uint8)
 
 
 def decode_rgb(data: Tensor, path: str | os.PathLike = "<bytes>", reduce: int = 1) -> Tensor:
-    """Decode an encoded image to a `uint8` RGB tensor (3, H, W), whatever its colour space or format.
+    """Decode an encoded image to a `uint8` RGB tensor (3, H, W), whatever its colour space, format or depth.
 
     JPEG (RGB, grayscale, CMYK) goes through libjpeg-turbo; `reduce` ∈ {2, 4, 8} decodes a JPEG at
-    that fraction of its size in the DCT domain. PNG (also when named .JPEG) and other formats fall
-    back to torchvision/PIL. A file that cannot be decoded raises `UnreadableImageError` naming it."""
+    that fraction of its size in the DCT domain. PNG (8 or 16 bits, also when named .JPEG) and other
+    formats fall back to torchvision/PIL. A file that cannot be decoded, or whose header announces
+    more pixels than PIL's decompression-bomb limit, raises `UnreadableImageError` naming it."""
     from torchvision.io import ImageReadMode, decode_jpeg, decode_png
 
-    head = bytes(data[:8].tolist())
+    head = bytes(data[:24].tolist())
     try:
         if head[:3] == b"\xff\xd8\xff":
+            size = jpeg_size(data)
+            if size is not None:
+                _check_pixels(*size)
             if reduce > 1:
                 with Image.open(io.BytesIO(data.numpy().tobytes())) as im:
                     im.draft("RGB", (max(1, im.width // reduce), max(1, im.height // reduce)))
                     return _pil_to_tensor(im)
             return decode_jpeg(data, mode=ImageReadMode.RGB)
-        if head == b"\x89PNG\r\n\x1a\n":
+        if head[:8] == b"\x89PNG\r\n\x1a\n" and len(head) == 24:
+            width, height = struct.unpack(">II", head[16:24])  # the IHDR chunk comes first
+            _check_pixels(height, width)
             img = decode_png(data, mode=ImageReadMode.RGB)
-            return img if img.dtype == torch.uint8 else (img >> 8).to(torch.uint8)  # 16-bit PNG
+            return img if img.dtype == torch.uint8 else _to_uint8(img)  # 16-bit PNG: uint16 samples
         with Image.open(io.BytesIO(data.numpy().tobytes())) as im:  # GIF, BMP, WebP, ...
             return _pil_to_tensor(im)
-    except (RuntimeError, OSError, ValueError, SyntaxError) as err:
+    except Image.DecompressionBombError as err:
+        raise _unreadable(path, _bomb_reason(err)) from err
+    except _DECODE_ERRORS as err:
         raise _unreadable(path, err) from err
 
 
 def load_pil_rgb(path: str | os.PathLike) -> Image.Image:
-    """Open an image with PIL as RGB (what `ImageFolder` does), naming the file if it cannot be decoded."""
+    """Open an image with PIL as 8-bit RGB (what `ImageFolder` does, 16-bit greyscale scaled rather than
+    clipped), naming the file if it cannot be read or decoded."""
     try:
         with Image.open(path) as im:
-            return im.convert("RGB")
-    except (OSError, ValueError, SyntaxError) as err:
+            return _rgb8(im)
+    except Image.DecompressionBombError as err:
+        raise _unreadable(path, _bomb_reason(err)) from err
+    except _DECODE_ERRORS as err:
         raise _unreadable(path, err) from err
 
 # %% ../notebooks/07_data_pipeline.ipynb #9af26ef3
@@ -631,28 +848,49 @@ def normalize_on_device(images: Tensor, channels_last: bool = False) -> Tensor:
 
 # %% ../notebooks/07_data_pipeline.ipynb #692ba697
 _ON_BAD_FILE = ("raise", "skip")
+SKIPPED_LABEL = -100  # label of a validation sample whose file was skipped: PyTorch's ignore_index; evaluation drops it
+
+
+def _warn_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 class ImageFolderDataset(Dataset):
     """Images in `root/<class>/<image>` with sorted class names; yields `(image, class_index)`.
 
     `pipeline="fast"` applies a transform to the encoded bytes (→ `uint8`), `"classic"` one to a PIL
-    image (→ `float32`). With `on_bad_file="skip"` an unreadable file is replaced by the next readable
-    one, warned about by name and counted in `skipped` (shared across loader workers)."""
+    image (→ `float32`). `left_out` reports what the folder scan did not take (hidden entries, files
+    that are not images, folders reached again through links). With `on_bad_file="skip"` an
+    unreadable file is named once (a warning line on stderr), counted every time it is met
+    (`skipped`, shared by loader workers; `take_skips()` per epoch) and, with `replace_bad`
+    (training), replaced by the next readable file; without it (validation) the sample comes back as
+    a blank image labelled `SKIPPED_LABEL`, which evaluation drops: no image is counted twice, and
+    the batches of every process keep their size (07 §8)."""
 
     def __init__(self, root: str | os.PathLike, transform: Callable, pipeline: str = "fast",
-                 on_bad_file: str = "raise"):
+                 on_bad_file: str = "raise", replace_bad: bool = True):
         if on_bad_file not in _ON_BAD_FILE:
             raise ValueError(f"on_bad_file must be one of {_ON_BAD_FILE}, got {on_bad_file!r}")
         self.root, self.transform, self.pipeline, self.on_bad_file = Path(root), transform, pipeline, on_bad_file
-        self.classes, self.samples = scan_image_folder(root)
+        self.replace_bad = replace_bad
+        self.left_out = ScanReport(str(root))
+        self.classes, self.samples = scan_image_folder(root, self.left_out)
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
         self.targets = [t for _, t in self.samples]
-        # one slot per process (main = 0, worker k = k + 1): shared memory, no lock needed
-        self._skipped = torch.zeros(256, dtype=torch.int64).share_memory_()
+        self._init_skips(len(self.samples))
+
+    def _init_skips(self, n: int) -> None:
+        # Shared memory: loader workers (forked or spawned, persistent or not) write, the main process reads
+        self._skipped = torch.zeros(257, dtype=torch.int64).share_memory_()  # one slot per process: main 0, worker k k+1
+        self._bad = torch.zeros(n, dtype=torch.bool).share_memory_()         # files found unreadable, to name each once
+        self._taken, self._named, self._placeholder = 0, set(), None         # main process only: what take_skips returned
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    def name(self, index: int) -> str:
+        """How errors and reports name sample `index` (its path)."""
+        return str(self.samples[index][0])
 
     def load(self, path: str) -> Tensor:
         """Decode and transform one file."""
@@ -661,32 +899,74 @@ class ImageFolderDataset(Dataset):
         return self.transform(read_bytes(path), path)
 
     def __getitem__(self, index: int) -> tuple[Tensor, int]:
-        for attempt in range(len(self.samples)):
-            path, target = self.samples[(index + attempt) % len(self.samples)]
+        for attempt in range(len(self.samples) if self.replace_bad else 1):
+            k = (index + attempt) % len(self.samples)
+            path, target = self.samples[k]
             try:
                 return self.load(path), target
             except UnreadableImageError as err:
                 if self.on_bad_file == "raise":
                     raise
-                self._record_skip(err)
+                self._record_skip(k, err)
+        if not self.replace_bad:
+            return self.placeholder(), SKIPPED_LABEL
         raise UnreadableImageError(f"no readable image at all in {self.root}")
 
-    def _record_skip(self, err: UnreadableImageError) -> None:
+    def placeholder(self) -> Tensor:
+        """What a skipped validation sample holds: a blank image through the transform (its shape and dtype)."""
+        if self._placeholder is None:
+            blank = Image.new("RGB", (8, 8))
+            if self.pipeline == "classic":
+                self._placeholder = self.transform(blank)
+            else:
+                encoded = io.BytesIO()
+                blank.save(encoded, format="PNG")
+                self._placeholder = self.transform(torch.frombuffer(bytearray(encoded.getvalue()), dtype=torch.uint8),
+                                                   "<blank placeholder>")
+        return self._placeholder
+
+    def _record_skip(self, index: int, err: UnreadableImageError) -> None:
         from torch.utils.data import get_worker_info
 
         info = get_worker_info()
         self._skipped[0 if info is None else (info.id + 1) % len(self._skipped)] += 1
-        warnings.warn(f"skipped {str(err).split(';')[0].replace('cannot decode image ', '')}", RuntimeWarning)
+        if not self._bad[index]:  # the first time any process meets it: name it
+            self._bad[index] = True
+            what = "replaced by the next readable file" if self.replace_bad else "left out of evaluation"
+            where_why = str(err).split("; ")[0].split(" image ", 1)[-1]  # "cannot decode image P: R; advice" → "P: R"
+            print(f"warning: skipped {where_why} ({what}; on_bad_file='skip')", file=sys.stderr, flush=True)
 
     @property
     def skipped(self) -> int:
-        """Unreadable files skipped so far, in this process and all its loader workers."""
+        """Times an unreadable file was skipped so far, in this process and all its loader workers."""
         return int(self._skipped.sum())
 
+    def bad_files(self) -> list[str]:
+        """Every file found unreadable so far, once each, in sample order."""
+        return [self.name(k) for k in torch.nonzero(self._bad).flatten().tolist()]
+
+    def take_skips(self) -> tuple[int, list[str]]:
+        """`(skips, new files)` since the previous call: what to report at the end of each epoch.
+
+        Call it in the main process once the epoch's loader is exhausted; with several processes, sum
+        the counts and gather the names (each process reads its own shard)."""
+        count, self._taken = self.skipped - self._taken, self.skipped
+        new = [k for k in torch.nonzero(self._bad).flatten().tolist() if k not in self._named]
+        self._named.update(new)
+        return count, [self.name(k) for k in new]
+
     def skip_report(self) -> str:
-        """One line to print at the end of an epoch."""
-        return (f"{self.root}: skipped {self.skipped} unreadable image(s) (on_bad_file='skip'; their paths "
-                "were printed as warnings)")
+        """One line: how many times unreadable files were skipped, and how many files those were."""
+        return (f"{self.root}: skipped {self.skipped} unreadable image(s), {int(self._bad.sum())} distinct file(s) "
+                "(on_bad_file='skip'; each named once in a warning)")
+
+
+def base_dataset(dataset: Dataset) -> Dataset:
+    """The `ImageFolderDataset` (or `RecordDataset`) under wrappers that keep it in `.dataset`
+    (`EpochSeededDataset`, `torch.utils.data.Subset`, a `DataLoader`): where `take_skips` and `left_out` live."""
+    while not isinstance(dataset, ImageFolderDataset) and hasattr(dataset, "dataset"):
+        dataset = dataset.dataset
+    return dataset
 
 
 _PIPELINES = ("fast", "classic", "gpu")
@@ -694,14 +974,17 @@ _PIPELINES = ("fast", "classic", "gpu")
 
 def build_datasets(source: str | os.PathLike | DataSource, img_size: int = 224, pipeline: str = "fast",
                    on_bad_file: str = "raise", scale: tuple[float, float] = (0.08, 1.0), reduced_decode: bool = True,
-                   cache_dir: str | None = None) -> tuple[ImageFolderDataset, ImageFolderDataset]:
+                   cache_dir: str | None = None, log: Callable[[str], None] | None = _warn_line
+                   ) -> tuple[ImageFolderDataset, ImageFolderDataset]:
     """Train and val datasets of any source `resolve_data_source` accepts; both have the same `.classes`.
 
     Class folders give `ImageFolderDataset`s (classes: the sorted folder names); parquet shards,
     `save_to_disk` folders and Hub ids give `RecordDataset`s (07 §9; `cache_dir`: where 🤗 datasets
-    keeps its Arrow copy of parquet). `"fast"` yields `uint8` (3, img_size, img_size) tensors (normalise with `normalize_on_device`),
-    `"classic"` normalised `float32`, `"gpu"` encoded bytes for `decode_batch_on_device` (07 §7).
-    Val: shorter side to `int(img_size*256/224)`, centre crop."""
+    keeps its Arrow copy of parquet). `"fast"` yields `uint8` (3, img_size, img_size) tensors (normalise with
+    `normalize_on_device`), `"classic"` normalised `float32`, `"gpu"` encoded bytes for `decode_batch_on_device`
+    (07 §7). Val: shorter side to `int(img_size*256/224)`, centre crop; with `on_bad_file="skip"` a bad val
+    file is dropped from evaluation, never replaced. `log` gets one warning line per split whose scan left
+    files out (default: printed on stderr; None: only in each dataset's `left_out`)."""
     if pipeline not in _PIPELINES:
         raise ValueError(f"pipeline must be one of {_PIPELINES}, got {pipeline!r}")
     if int(img_size) != img_size or img_size < 1:
@@ -718,12 +1001,15 @@ def build_datasets(source: str | os.PathLike | DataSource, img_size: int = 224, 
         return load_record_datasets(source, train_tf, val_tf, pipeline, on_bad_file, cache_dir)
     train_dir, val_dir = find_split_dirs(source.location)
     train = ImageFolderDataset(train_dir, train_tf, pipeline, on_bad_file)
-    val = ImageFolderDataset(val_dir, val_tf, pipeline, on_bad_file)
+    val = ImageFolderDataset(val_dir, val_tf, pipeline, on_bad_file, replace_bad=False)
     if train.classes != val.classes:
         only_train, only_val = sorted(set(train.classes) - set(val.classes)), sorted(set(val.classes) - set(train.classes))
         raise DataLayoutError(f"{train_dir} has {len(train.classes)} classes and {val_dir} has {len(val.classes)}; "
                               f"only in train: {only_train[:5]}, only in {val_dir.name}: {only_val[:5]}: "
                               "give both splits the same class folders (labels are positions in the sorted list)")
+    for split in (train, val):
+        if log is not None and split.left_out.line():
+            log(split.left_out.line())
     return train, val
 
 
@@ -879,7 +1165,7 @@ def list_images(folder: str | os.PathLike) -> list[str]:
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"image folder {folder} does not exist: check the path")
-    files = sorted(os.path.join(d, f) for d, _, names in os.walk(folder, followlinks=True) for f in names if _is_image(f))
+    files = _walk_images(str(folder), {os.path.realpath(folder)}, ScanReport(str(folder)))  # each folder once
     if not files:
         raise DataLayoutError(f"no images ({'/'.join(IMG_EXTENSIONS)}) under {folder}: point at a folder of images")
     return files
@@ -1046,8 +1332,12 @@ class EncodedTransform:
 
     def __call__(self, data: Tensor, path: str | os.PathLike = "<bytes>") -> Tensor:
         if bytes(data[:3].tolist()) == b"\xff\xd8\xff":
-            if not _jpeg_complete(data):
-                raise _unreadable(path, ValueError("truncated or corrupt JPEG (no complete header or end marker)"))
+            try:
+                if not _jpeg_complete(data):
+                    raise ValueError("truncated or corrupt JPEG (no complete header or end marker)")
+                _check_pixels(*jpeg_size(data))  # nvjpeg would allocate what the header says
+            except ValueError as err:
+                raise _unreadable(path, err) from err
             return data
         return decode_rgb(data, path)
 
@@ -1199,8 +1489,12 @@ def write_shards(root: str | os.PathLike, out_dir: str | os.PathLike, shard_mb: 
         raise ValueError(f"need shard_mb > 0 and rows_per_group >= 1, got {shard_mb} and {rows_per_group}")
     train_dir, val_dir = find_split_dirs(root)
     log(f"{root}: listing the images and their sizes …")
-    classes, train = scan_image_folder(train_dir)
-    val_classes, val = scan_image_folder(val_dir)
+    reports = ScanReport(str(train_dir)), ScanReport(str(val_dir))
+    classes, train = scan_image_folder(train_dir, reports[0])
+    val_classes, val = scan_image_folder(val_dir, reports[1])
+    for report in reports:  # what will not be in the shards
+        if report.line():
+            log(report.line())
     if classes != val_classes:
         raise DataLayoutError(f"{train_dir} and {val_dir} have different class folders: give both splits the same ones")
     schema = hub_features(classes).arrow_schema
@@ -1258,8 +1552,10 @@ class _RowSamples:
 def _pil_rgb_from_bytes(data: bytes, name: str) -> Image.Image:
     try:
         with Image.open(io.BytesIO(data)) as im:
-            return im.convert("RGB")
-    except (OSError, ValueError, SyntaxError) as err:
+            return _rgb8(im)
+    except Image.DecompressionBombError as err:
+        raise _unreadable(name, _bomb_reason(err)) from err
+    except _DECODE_ERRORS as err:
         raise _unreadable(name, err) from err
 
 
@@ -1286,7 +1582,7 @@ class RecordDataset(ImageFolderDataset):
     decoded is named by its row and file."""
 
     def __init__(self, records, transform: Callable, pipeline: str = "fast", on_bad_file: str = "raise",
-                 name: str = "records", files: Sequence[tuple[str, int]] = ()):
+                 name: str = "records", files: Sequence[tuple[str, int]] = (), replace_bad: bool = True):
         from datasets import ClassLabel
         from datasets import Image as ImageFeature
 
@@ -1295,6 +1591,7 @@ class RecordDataset(ImageFolderDataset):
         self.image_column, self.label_column = _record_columns(records, name)
         self.records = records.cast_column(self.image_column, ImageFeature(decode=False))  # bytes, not PIL images
         self.root, self.transform, self.pipeline, self.on_bad_file = name, transform, pipeline, on_bad_file
+        self.replace_bad, self.left_out = replace_bad, ScanReport(name)  # records: no folder scan, nothing left out
         labels = records.with_format("arrow")[self.label_column].to_numpy()
         feature = records.features[self.label_column]
         self.classes = list(feature.names) if isinstance(feature, ClassLabel) else [
@@ -1306,7 +1603,7 @@ class RecordDataset(ImageFolderDataset):
         self.samples, self.targets = _RowSamples(labels), labels.tolist()
         self._files = [f for f, _ in files]
         self._starts = np.cumsum([0] + [n for _, n in files])[:-1].tolist()
-        self._skipped = torch.zeros(256, dtype=torch.int64).share_memory_()
+        self._init_skips(len(labels))
 
     def describe(self, row: int, path: str | None = None) -> str:
         """How errors and warnings name a record: its image's name, its file and row there, its row in the split."""
@@ -1315,6 +1612,10 @@ class RecordDataset(ImageFolderDataset):
             k = int(np.searchsorted(self._starts, row, side="right")) - 1
             return f"{what}row {row - self._starts[k]} of {self._files[k]} (row {row} of {self.root})"
         return f"{what}row {row} of {self.root}"
+
+    def name(self, index: int) -> str:
+        """How errors and reports name record `index`: its image's name, its file and its row."""
+        return self.describe(index, self.records[index][self.image_column].get("path"))
 
     def load(self, row: int) -> Tensor:
         """Decode and transform the image of one record."""
@@ -1325,9 +1626,9 @@ class RecordDataset(ImageFolderDataset):
             if self.pipeline == "classic":
                 return self.transform(_pil_rgb_from_bytes(data, name))
             return self.transform(torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()), name)
-        except OSError as err:  # UnreadableImageError included
-            cause = err.__cause__ or err
-            reason = _reason(cause) if cause is not err else str(err).split(";")[0].rsplit(": ", 1)[-1]
+        except OSError as err:  # UnreadableImageError included; a missing external file too
+            cause = err.__cause__ if isinstance(err, UnreadableImageError) and err.__cause__ is not None else err
+            reason = _reason(_bomb_reason(cause) if isinstance(cause, Image.DecompressionBombError) else cause)
             raise UnreadableImageError(f"cannot decode image {name}: {reason}; replace that file with an intact copy, "
                                        "or build the datasets with on_bad_file='skip'") from err
 
@@ -1379,7 +1680,7 @@ def load_record_datasets(source: str | os.PathLike | DataSource, train_transform
     train = RecordDataset(splits["train"], train_transform, pipeline, on_bad_file, f"{source.location} [train]",
                           _row_files(splits["train"], files.get("train")))
     val = RecordDataset(splits[val_split], val_transform, pipeline, on_bad_file, f"{source.location} [{val_split}]",
-                        _row_files(splits[val_split], files.get("validation")))
+                        _row_files(splits[val_split], files.get("validation")), replace_bad=False)
     if train.classes != val.classes:
         raise DataLayoutError(f"{source.location}: the train and {val_split} splits have different class names "
                               f"({len(train.classes)} and {len(val.classes)}): labels would not mean the same class")
@@ -1427,13 +1728,33 @@ class Devkit:
     official: bool                  # the archive torchvision knows (same MD5)
 
 
+def _devkit_files(path: Path) -> tuple[bytes, bytes]:
+    """The bytes of meta.mat and of the validation ground truth, from the devkit archive or the folder it unpacks to."""
+    names = ("meta.mat", "ILSVRC2012_validation_ground_truth.txt")
+    if path.is_dir():
+        found = [next(path.rglob(n), None) for n in names]
+        if None in found:
+            raise DataLayoutError(f"{path} has no {' or '.join(n for n, f in zip(names, found) if f is None)}: "
+                                  "it is not the ILSVRC2012 devkit")
+        return found[0].read_bytes(), found[1].read_bytes()
+    try:
+        with tarfile.open(path, "r:*") as tar:
+            members = {Path(m.name).name: m for m in tar.getmembers() if m.isfile()}
+            missing = [n for n in names if n not in members]
+            if missing:
+                raise DataLayoutError(f"{path} has no {' or '.join(missing)}: it is not the ILSVRC2012 devkit")
+            return tuple(tar.extractfile(members[n]).read() for n in names)
+    except (tarfile.TarError, EOFError, OSError) as err:
+        raise DataLayoutError(f"cannot read the devkit {path}: {_reason(err)}; download it again") from None
+
+
 def read_devkit(path: str | os.PathLike) -> Devkit:
     """Classes and validation ground truth of the ILSVRC2012 devkit, read as torchvision reads them (07 §11).
 
-    The 1,000 classes are the synsets of `meta.mat` without children (the others are their WordNet
-    ancestors); needs `scipy` (in the `hub` extra)."""
+    `path`: `ILSVRC2012_devkit_t12.tar.gz`, or the folder it unpacks to. The 1,000 classes are the
+    synsets of `meta.mat` without children (the others are their WordNet ancestors); needs `scipy`
+    (in the `hub` extra)."""
     import hashlib
-    import tarfile
 
     from torchvision.datasets.imagenet import ARCHIVE_META
 
@@ -1443,24 +1764,18 @@ def read_devkit(path: str | os.PathLike) -> Devkit:
         raise DataSourceError('reading the ILSVRC2012 devkit (meta.mat) needs scipy: pip install -e ".[hub]" '
                               "(or pip install scipy)") from None
     path = Path(path)
+    meta_bytes, truth_bytes = _devkit_files(path)
     try:
-        with tarfile.open(path, "r:gz") as tar:
-            members = {Path(m.name).name: m for m in tar.getmembers() if m.isfile()}
-            missing = [n for n in ("meta.mat", "ILSVRC2012_validation_ground_truth.txt") if n not in members]
-            if missing:
-                raise DataLayoutError(f"{path} has no {' or '.join(missing)}: it is not the ILSVRC2012 devkit")
-            meta = scipy.io.loadmat(io.BytesIO(tar.extractfile(members["meta.mat"]).read()), squeeze_me=True)["synsets"]
-            truth = tar.extractfile(members["ILSVRC2012_validation_ground_truth.txt"]).read().decode().split()
-    except (tarfile.TarError, EOFError, KeyError, ValueError) as err:
-        if isinstance(err, DataLayoutError):
-            raise
+        meta = scipy.io.loadmat(io.BytesIO(meta_bytes), squeeze_me=True)["synsets"]
+        truth = truth_bytes.decode().split()
+    except (KeyError, ValueError) as err:
         raise DataLayoutError(f"cannot read the devkit {path}: {_reason(err)}; download it again") from None
     leaves = [s for s in meta if int(s["num_children"]) == 0]
     by_id = {int(s["ILSVRC2012_ID"]): s for s in leaves}
     if sorted(by_id) != list(range(1, len(leaves) + 1)):
         raise DataLayoutError(f"{path}: the classes of meta.mat are not numbered 1…{len(leaves)}")
     wnids = [str(by_id[k]["WNID"]) for k in range(1, len(leaves) + 1)]
-    digest = hashlib.md5(path.read_bytes()).hexdigest()
+    digest = hashlib.md5(path.read_bytes()).hexdigest() if path.is_file() else None
     return Devkit(wnids=wnids, words={str(s["WNID"]): str(s["words"]) for s in leaves},
                   train_counts={str(s["WNID"]): int(s["num_train_images"]) for s in leaves},
                   val_ids=[int(t) for t in truth], official=digest == ARCHIVE_META["devkit"][1])
@@ -1615,7 +1930,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare-val", help="sort a flat ILSVRC2012 val folder into class folders (dry run by default)")
     prep.add_argument("val_dir", help="folder of ILSVRC2012_val_*.JPEG files")
-    prep.add_argument("mapping", help="LOC_val_solution.csv (Kaggle) or a text file of 'filename wnid' lines")
+    prep.add_argument("mapping", help="LOC_val_solution.csv (Kaggle), a text file of 'filename wnid' lines (also .gz), "
+                      "or the devkit ILSVRC2012_devkit_t12.tar.gz (its class numbers mapped to wnids by its meta.mat)")
     prep.add_argument("--apply", action="store_true", help="do it (default: only print what would be done)")
     prep.add_argument("--link", action="store_true", help="symlink into --out instead of moving")
     prep.add_argument("--out", default=None, help="folder for the class folders (default: VAL_DIR itself)")
