@@ -685,3 +685,29 @@ def test_sigterm_to_accelerate_launch_stops_both_processes_after_the_same_step_w
     assert latest_checkpoint(run).name == f"step_{step:09d}"
     manifest = verify_checkpoint(latest_checkpoint(run))
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(manifest["files"]), "both processes saved their state"
+
+
+def test_skipped_files_are_counted_per_epoch_named_once_and_validation_counts_each_image_once(tmp_path, data):
+    root = copy_data(data, tmp_path)
+    bad_train = corrupt_image(root / "train" / "class_00" / "0003.jpg", "zero_byte")
+    bad_val = corrupt_image(root / "val" / "class_01" / "0001.jpg", "truncated")
+    done = cli(tmp_path, root, on_bad_file="skip", epochs=2)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "bad" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["skipped_train"], r["skipped_val"]) for r in rows] == [(1, 1), (1, 1)], "each met once per epoch"
+    assert all(r["val_count"] == 5 for r in rows), "6 validation images, one unreadable: 5 counted, none twice"
+    final = json.loads((tmp_path / "runs" / "bad" / "final_metrics.json").read_text())
+    assert final["skipped_files"] == 4 and sorted(final["bad_files"]) == sorted([str(bad_train), str(bad_val)])
+    epoch_lines = [line for line in done.stderr_lines if line.startswith("warning: epoch ")]
+    assert len(epoch_lines) == 2 and str(bad_train) in epoch_lines[0] and str(bad_train) not in epoch_lines[1]
+
+
+def test_what_the_scan_leaves_out_is_said_once(tmp_path, data):
+    root = copy_data(data, tmp_path)
+    (root / "train" / "class_00" / ".ipynb_checkpoints").mkdir()
+    shutil.copy(root / "train" / "class_00" / "0000.jpg", root / "train" / "class_00" / ".ipynb_checkpoints" / "x.jpg")
+    (root / "train" / "class_00" / "scan.tif").write_bytes(b"II*\x00")
+    done = cli(tmp_path, root, val_img_size=24)  # two scans of the data: still one line
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr_lines if "left out" in line]
+    assert len(lines) == 1 and "hidden folder" in lines[0] and ".tif" in lines[0], done.stderr

@@ -668,6 +668,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'tutorial_lib.train.model_name': ('training_script.html#model_name', 'tutorial_lib/train.py'),
                                     'tutorial_lib.train.open_outputs': ('training_script.html#open_outputs', 'tutorial_lib/train.py'),
                                     'tutorial_lib.train.progress_bar': ('training_script.html#progress_bar', 'tutorial_lib/train.py'),
+                                    'tutorial_lib.train.report_skips': ('training_script.html#report_skips', 'tutorial_lib/train.py'),
                                     'tutorial_lib.train.resolve_learning_rate': ( 'training_script.html#resolve_learning_rate',
                                                                                   'tutorial_lib/train.py'),
                                     'tutorial_lib.train.resume_run': ('training_script.html#resume_run', 'tutorial_lib/train.py'),

@@ -27,15 +27,15 @@ import torch
 from .core import free_port
 
 # %% auto #0
-__all__ = ['CHECKPOINT_FORMAT', 'MANIFEST', 'PROGRESS_FILE', 'RUN_LOCK', 'RUN_OUTPUTS', 'WANDB_MODES', 'launch_with_timeout',
-           'MetricsLogger', 'read_metrics', 'format_metrics_table', 'UserInputError', 'LaunchError',
-           'overlapping_copies', 'build_accelerator', 'ClassificationMetrics', 'merge_metrics', 'MissingPathError',
-           'CheckpointError', 'checkpoint_root', 'list_checkpoints', 'incomplete_checkpoints', 'latest_checkpoint',
-           'fsync_path', 'atomic_write_text', 'sha256_file', 'model_signature', 'DiskFullError', 'follow_umask',
-           'save_checkpoint', 'save_final_model', 'verify_checkpoint', 'load_checkpoint', 'resolve_resume_path',
-           'RunFolderError', 'RunLock', 'run_outputs', 'claim_run_folder', 'write_run_config', 'cut_metrics',
-           'NonFiniteLossError', 'NonFiniteGuard', 'StopRequest', 'wandb_api_key_configured', 'resolve_wandb_mode',
-           'start_trackers']
+__all__ = ['IGNORE_LABEL', 'CHECKPOINT_FORMAT', 'MANIFEST', 'PROGRESS_FILE', 'RUN_LOCK', 'RUN_OUTPUTS', 'WANDB_MODES',
+           'launch_with_timeout', 'MetricsLogger', 'read_metrics', 'format_metrics_table', 'UserInputError',
+           'LaunchError', 'overlapping_copies', 'build_accelerator', 'ClassificationMetrics', 'merge_metrics',
+           'MissingPathError', 'CheckpointError', 'checkpoint_root', 'list_checkpoints', 'incomplete_checkpoints',
+           'latest_checkpoint', 'fsync_path', 'atomic_write_text', 'sha256_file', 'model_signature', 'DiskFullError',
+           'follow_umask', 'save_checkpoint', 'save_final_model', 'verify_checkpoint', 'load_checkpoint',
+           'resolve_resume_path', 'RunFolderError', 'RunLock', 'run_outputs', 'claim_run_folder', 'write_run_config',
+           'cut_metrics', 'NonFiniteLossError', 'NonFiniteGuard', 'StopRequest', 'wandb_api_key_configured',
+           'resolve_wandb_mode', 'start_trackers']
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #8f8d11a1
 def launch_with_timeout(fn, args: tuple = (), num_processes: int = 2, timeout: float | None = None,
@@ -209,6 +209,9 @@ def build_accelerator(cpu: bool = False, mixed_precision: str | None = None, gra
     return accelerator
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #85562c80
+IGNORE_LABEL = -100  # cross_entropy's ignore_index: the label of a sample to leave out
+
+
 @functools.cache
 def _loss_and_count_metric() -> type:
     """The torchmetrics metric of a summed loss and a sample count, defined on first use: importing
@@ -285,7 +288,8 @@ class ClassificationMetrics:
 
         Call it inside the loop over the prepared dataloader, on every process. Pass the per-sample
         loss (`reduction="none"`) for an exact mean; a scalar is spread over this process's samples.
-        Needs accelerate's default `even_batches=True` (equal batches on every process)."""
+        Needs accelerate's default `even_batches=True` (equal batches on every process). Samples labelled
+        `IGNORE_LABEL` (-100, PyTorch's `ignore_index`: a skipped unreadable image, 07) are not counted."""
         if not getattr(accelerator, "even_batches", True):
             raise ValueError("gather_update needs equally sized batches on every process (accelerate's default "
                              "even_batches=True). With even_batches=False use ClassificationMetrics(..., "
@@ -297,7 +301,11 @@ class ClassificationMetrics:
         if loss.ndim == 0:
             loss = loss.expand(n).contiguous()
         logits, labels, loss = accelerator.gather_for_metrics((logits.detach(), labels, loss))
-        self.update(logits, labels, loss)
+        keep = labels != IGNORE_LABEL  # an image the loader could not read and skipped (07): not counted
+        if not keep.all():
+            logits, labels, loss = logits[keep], labels[keep], loss[keep]
+        if labels.numel():
+            self.update(logits, labels, loss)
 
     def compute(self) -> dict:
         """`{"loss", "top1", "top5", "count"}`: mean loss, accuracies in %, samples seen (int)."""
