@@ -551,7 +551,7 @@ def test_declared_counts_are_verified_and_the_official_devkit_demands_ilsvrc2012
 
 
 def test_data_command_line_runs_shard_and_refuses_from_archives_without_archives(tmp_path, capsys):
-    assert main(["shard", str(tiny_tree(tmp_path / "src")), str(tmp_path / "shards"), "--shard-mb", "0.01"]) == 0
+    assert main(["shard", str(tiny_tree(tmp_path / "src")), str(tmp_path / "shards"), "--shard_mb", "0.01"]) == 0
     assert resolve_data_source(tmp_path / "shards").kind == "parquet"
     done = subprocess.run([sys.executable, "-m", "tutorial_lib.data", "from-archives", str(tmp_path / "nothing"),
                            str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT, timeout=300)

@@ -28,7 +28,8 @@ from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .core import in_notebook
+from .core import (HelpFormatter, OneLineParser, in_notebook, non_negative_int, positive_float,
+                               positive_int)
 
 # %% auto #0
 __all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'IMG_EXTENSIONS', 'VAL_DIR_NAMES', 'SPLIT_ALIASES', 'OFFICIAL_ARCHIVES',
@@ -1925,35 +1926,37 @@ def _unpack_archives(paths: dict[str, Path], devkit: Devkit, out: Path, log: Cal
 
 # %% ../notebooks/07_data_pipeline.ipynb #cd8e8b10
 def get_args_parser() -> argparse.ArgumentParser:
-    """`python -m tutorial_lib.data {prepare-val,bench,shard,from-archives}`."""
-    parser = argparse.ArgumentParser(prog="python -m tutorial_lib.data", description="07's data tools")
+    """`python -m tutorial_lib.data {prepare-val,bench,shard,from-archives}`: 00's conventions (flags with
+    underscores, every default in `--help`, values checked where declared, one-line errors)."""
+    parser = OneLineParser(prog="python -m tutorial_lib.data", description="07's data tools", formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    prep = sub.add_parser("prepare-val", help="sort a flat ILSVRC2012 val folder into class folders (dry run by default)")
+    command = lambda name, help: sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)  # noqa: E731
+    prep = command("prepare-val", "sort a flat ILSVRC2012 val folder into class folders (dry run by default)")
     prep.add_argument("val_dir", help="folder of ILSVRC2012_val_*.JPEG files")
     prep.add_argument("mapping", help="LOC_val_solution.csv (Kaggle), a text file of 'filename wnid' lines (also .gz), "
                       "or the devkit ILSVRC2012_devkit_t12.tar.gz (its class numbers mapped to wnids by its meta.mat)")
     prep.add_argument("--apply", action="store_true", help="do it (default: only print what would be done)")
     prep.add_argument("--link", action="store_true", help="symlink into --out instead of moving")
     prep.add_argument("--out", default=None, help="folder for the class folders (default: VAL_DIR itself)")
-    bench = sub.add_parser("bench", help="torchvision default pipeline vs ours, images/s per worker")
-    bench.add_argument("--data-dir", required=True, help="folder of images (any depth)")
-    bench.add_argument("--workers", type=int, default=1)
-    bench.add_argument("--img-size", type=int, default=224)
-    bench.add_argument("--batch-size", type=int, default=25)
-    bench.add_argument("--max-images", type=int, default=None)
-    bench.add_argument("--repeats", type=int, default=2, help="passes over the files per timed round")
-    bench.add_argument("--rounds", type=int, default=5, help="alternating timed rounds; the best of each is kept")
-    bench.add_argument("--no-parquet", action="store_true", help="leave out the parquet rows (they need 🤗 datasets)")
-    shard = sub.add_parser("shard", help="write a folder in the ImageNet layout as parquet shards (the Hub's schema)")
+    bench = command("bench", "torchvision's default pipeline vs ours, images/s per worker")
+    bench.add_argument("--data_dir", required=True, help="folder of images (any depth)")
+    bench.add_argument("--workers", type=non_negative_int, default=1, help="DataLoader worker processes")
+    bench.add_argument("--img_size", type=positive_int, default=224, help="crop size")
+    bench.add_argument("--batch_size", type=positive_int, default=25, help="images per batch")
+    bench.add_argument("--max_images", type=positive_int, default=None, help="use at most this many files")
+    bench.add_argument("--repeats", type=positive_int, default=2, help="passes over the files per timed round")
+    bench.add_argument("--rounds", type=positive_int, default=5, help="alternating timed rounds; the best of each is kept")
+    bench.add_argument("--no_parquet", action="store_true", help="leave out the parquet rows (they need 🤗 datasets)")
+    shard = command("shard", "write a folder in the ImageNet layout as parquet shards (the Hub's schema)")
     shard.add_argument("src", help="folder that holds train/ and val/")
     shard.add_argument("out", help="output folder; the shards go into OUT/data/")
-    shard.add_argument("--shard-mb", type=float, default=SHARD_MB, help=f"MB of images per shard (default {SHARD_MB})")
-    archives = sub.add_parser("from-archives", help="unpack the official ILSVRC2012 archives into class folders")
+    shard.add_argument("--shard_mb", type=positive_float, default=SHARD_MB, help="MB of images per shard")
+    archives = command("from-archives", "unpack the official ILSVRC2012 archives into class folders")
     archives.add_argument("archive_dir", help="folder that holds " + ", ".join(OFFICIAL_ARCHIVES))
     archives.add_argument("out", help="output folder; train/ and val/ go there")
-    for command in (shard, archives):
-        command.add_argument("--progress-interval", type=float, default=30.0,
-                             help="seconds between progress lines when the output is not a terminal")
+    for each in (shard, archives):
+        each.add_argument("--progress_interval", type=positive_float, default=30.0,
+                          help="seconds between progress lines when the output is not a terminal")
     return parser
 
 
