@@ -314,7 +314,7 @@ STRESS_RUN = dict(model="tinycnn", img_size=16, epochs=3, batch_size=8, learning
                   lr_warmup_epochs=0.5, num_workers=0, cpu=True, log_with="none", disable_progress_bar=True,
                   checkpoint_every_steps=2, keep_last_checkpoints=2, log_interval=0, seed=0)
 KILL_KINDS = ("during_save", "after_save", "random_time", "final_save", "sigterm")
-KILL_WEIGHTS = (6, 2, 2, 1, 3)  # 3 in 7 SIGKILLs during a save; 3 in 14 kills are SIGTERM
+KILL_WEIGHTS = (6, 2, 2, 1, 3)  # of 14 kills: 6 SIGKILLs during a save, 5 other SIGKILLs, 3 SIGTERMs
 
 
 def checkpoint_folders(run_dir: str | os.PathLike) -> tuple[list[str], list[tuple[str, int]]]:
