@@ -259,12 +259,12 @@ def test_our_step_runs_the_training_scripts_epoch_with_its_scheduler_and_clippin
 
 @pytest.mark.slow
 def test_bench_loop_cli_compares_the_training_step_and_ends_with_json():
-    out = run_module("loop", "--img-size", "32", "--batch-size", "4", "--steps", "1",
+    out = run_module("loop", "--img_size", "32", "--batch_size", "4", "--steps", "1",
                      "--rounds", "2").stdout.strip().splitlines()
     last = json.loads(out[-1])
     assert last["ours"] == "train" and last["overhead_ratio"] > 0
     assert any(line.startswith("overhead_ratio") for line in out)
-    aa = json.loads(run_module("loop", "--ours", "bare", "--img-size", "32", "--batch-size", "4", "--steps", "1",
+    aa = json.loads(run_module("loop", "--ours", "bare", "--img_size", "32", "--batch_size", "4", "--steps", "1",
                                "--rounds", "2").stdout.strip().splitlines()[-1])
     assert aa["ours"] == "bare"
 
@@ -304,7 +304,7 @@ def test_jpeg_listing_labels_flat_folders_by_name_prefix(jpeg_folder):
     files, labels, classes = jpeg_files_and_labels(jpeg_folder)
     assert len(files) == 6 and classes == ["n00", "n01", "n02"]
     assert [classes[y] for y in labels] == [f.name.split("_")[0] for f in files]
-    with pytest.raises(FileNotFoundError, match="--data-dir"):
+    with pytest.raises(FileNotFoundError, match="--data_dir"):
         jpeg_files_and_labels(jpeg_folder / "missing")
 
 
@@ -368,7 +368,7 @@ def test_gpu_benchmark_budget_skips_what_it_cannot_start():
 
 @pytest.mark.slow
 def test_bench_data_delegates_to_07_and_ends_with_a_json_line(jpeg_folder):
-    out = run_module("data", "--data-dir", str(jpeg_folder), "--workers", "0").stdout.strip().splitlines()
+    out = run_module("data", "--data_dir", str(jpeg_folder), "--workers", "0").stdout.strip().splitlines()
     last = json.loads(out[-1])
     assert {"baseline_train_ips", "ours_train_ips", "baseline_val_ips", "ours_val_ips"} <= set(last)
     assert any(line.startswith("train") for line in out) and any(line.startswith("val") for line in out)
@@ -455,3 +455,102 @@ def test_model_ema_matches_pytorchs_averaged_model_and_keeps_its_counter_on_the_
     assert int(resumed.n_averaged) == 5 and torch.allclose(resumed.module[0].weight, ours.module[0].weight)
     assert not torch.allclose(resumed.module[0].weight, net[0].weight), "a resumed EMA averages, it does not copy"
     assert torch.allclose(resumed.module[0].weight, 0.7 * before + 0.3 * net[0].weight, atol=1e-6)
+
+
+# ---- 7. the command lines of bench and stress: one convention, help with defaults, fast help ----------------
+
+def flag_helps(help_text: str) -> dict[str, str]:
+    """`--flag` -> its help text, read from argparse's `--help` output (one entry per option, wrapped lines joined)."""
+    helps, flag = {}, None
+    for line in help_text.split("options:", 1)[1].splitlines():
+        stripped = line.strip()
+        if line.startswith("  -"):
+            flag = stripped.split()[0].rstrip(",")
+            helps[flag] = stripped.split("  ", 1)[1].strip() if "  " in stripped else ""
+        elif flag and stripped:
+            helps[flag] += " " + stripped
+    return helps
+
+
+def subcommand_parsers(parser):
+    import argparse
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices
+
+
+def test_bench_and_stress_flags_use_underscores_and_show_every_default():
+    from tutorial_lib.bench import get_args_parser as bench_parser
+    from tutorial_lib.stress import get_args_parser as stress_parser
+
+    checked = 0
+    for parser in (bench_parser(), stress_parser()):
+        for name, sub in subcommand_parsers(parser).items():
+            helps = flag_helps(sub.format_help())
+            flags = [s for a in sub._actions for s in a.option_strings if s.startswith("--") and s != "--help"]
+            assert set(flags) <= set(helps), (name, set(flags) - set(helps))
+            for flag in flags:
+                assert "-" not in flag[2:], f"{sub.prog} {flag}: flags are spelled with underscores, as --batch_size"
+                assert "(default: " in helps[flag] or helps[flag].endswith("required"), f"{sub.prog} {flag}: {helps[flag]!r}"
+                assert helps[flag].count("(default") <= 1, f"{sub.prog} {flag} shows its default twice: {helps[flag]!r}"
+                checked += 1
+    assert checked >= 30, checked
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["loop", "--batch_size", "0"], "python -m tutorial_lib.bench loop: error: --batch_size must be >= 1, got 0"),
+    (["loop", "--momentum", "1"], "python -m tutorial_lib.bench loop: error: --momentum must be in [0, 1), got 1.0"),
+    (["gpu", "--peak_tflops", "-5"], "python -m tutorial_lib.bench gpu: error: --peak_tflops must be a positive number, "
+                                     "got -5.0"),
+    (["gpu", "--device", "gpu0"], "python -m tutorial_lib.bench gpu: error: --device must be a torch device such as "
+                                  "cuda, cuda:1 or cpu, got 'gpu0'"),
+    (["loop", "--batch-size", "4"], "python -m tutorial_lib.bench: error: unrecognized arguments: --batch-size 4"),
+    (["loop", "--batch", "4"], "python -m tutorial_lib.bench: error: unrecognized arguments: --batch 4"),
+    (["data"], "python -m tutorial_lib.bench data: error: the following arguments are required: --data_dir"),
+])
+def test_bench_refuses_bad_values_in_one_line_with_exit_2(argv, message, capsys):
+    from tutorial_lib.bench import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [message], "one line, no usage block"
+
+
+def test_bench_gpu_applies_dry_run_sizes_only_where_no_flag_was_given(monkeypatch, capsys):
+    import tutorial_lib.bench as bench
+
+    seen = {}
+    monkeypatch.setattr(bench, "run_gpu_benchmark", lambda device, **kw: seen.update(kw) or {"rows": []})
+    monkeypatch.setattr(bench, "format_gpu_table", lambda result: "")
+    bench.main(["gpu", "--device", "cpu", "--dry_run", "--batch_size", "2", "--no_e2e"])
+    assert {k: seen[k] for k in ("arch", "img_size", "batch_size", "windows")} == {
+        "arch": "resnet18", "img_size": 64, "batch_size": 2, "windows": 2}
+    assert seen["data_dir"] is None and seen["compile_backend"] == "eager" and seen["workers"] is None
+    assert seen["peak_tflops"] is None and seen["budget_s"] == 480.0
+
+
+def seconds_to_run(*args: str) -> float:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, *args], cwd=ROOT, check=True, capture_output=True, timeout=300,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return time.perf_counter() - start
+
+
+@pytest.mark.slow
+def test_help_of_bench_and_stress_costs_about_an_import_of_torch():
+    """`--help` imports what the parser needs (torch, through 00) and nothing heavier. Measured against, in the same
+    rounds: `import torch`, and `import torch, torchvision`, the lightest of the heavy imports the commands use. The
+    allowed margin is half of what torchvision adds, so any such import inside --help fails the test; each figure is
+    the best of its rounds, which a busy machine slows down but cannot speed up."""
+    commands = {"torch": ["-c", "import torch"], "torchvision": ["-c", "import torch, torchvision"],
+                "bench": ["-m", "tutorial_lib.bench", "--help"], "stress": ["-m", "tutorial_lib.stress", "resume", "--help"]}
+    best = {name: min(seconds_to_run(*argv) for _ in range(2)) for name, argv in commands.items()}
+    margin = (best["torchvision"] - best["torch"]) / 2
+    assert margin > 0.1, f"torchvision should add to torch's import time: {best}"
+    for name in ("bench", "stress"):
+        assert best[name] < best["torch"] + margin, f"{name} --help took {best[name]:.2f} s; import torch {best['torch']:.2f} s, margin {margin:.2f} s"
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "tutorial_lib.bench", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, check=True)
+    imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if "|" in line}
+    heavy = {"torchvision", "accelerate", "torchmetrics", "tutorial_lib.train", "tutorial_lib.data", "datasets", "wandb"}
+    assert not heavy & imported, f"bench --help imported {sorted(heavy & imported)}"

@@ -3,6 +3,7 @@
 The CI version of the stress run: 2 trials, forked runs (the same `main` as `python -m
 tutorial_lib.train`, without 5 s of imports per run). The full 10-trial run with
 `python -m tutorial_lib.train` per run is `python -m tutorial_lib.stress resume --trials 10`."""
+import os
 import random
 import subprocess
 import sys
@@ -16,9 +17,10 @@ from kernel_helpers import run_in_kernel, short_tmpdir
 from torch.utils.data import BatchSampler
 
 from tutorial_lib.data import EpochSeededSampler, UnreadableImageError, build_datasets
-from tutorial_lib.stress import (BAD_FILE_KINDS, CliResult, KillPlan, TrainingProcess, as_flags, assert_user_error,
-                                 child_env, corrupt_image, draw_kill_plan, first_files_of_process, make_image_folder,
-                                 stress_resume)
+from tutorial_lib.stress import (BAD_FILE_KINDS, KILL_KINDS, CliResult, KillPlan, KillRecord, TrainingProcess, as_flags,
+                                 assert_user_error, can_mount_small_disk, child_env, corrupt_image, draw_kill_plan,
+                                 first_files_of_process, make_image_folder, run_cli, scale_kill_plan, sigterm_problem,
+                                 stopped_at_step, stress_resume, trial_kill_plans)
 
 pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
 
@@ -38,8 +40,55 @@ def test_kill_plans_are_seeded():
     plans = [draw_kill_plan(random.Random(t), 18, 2.0) for t in range(5)]
     again = [draw_kill_plan(random.Random(t), 18, 2.0) for t in range(5)]
     assert plans == again
-    assert all(p.kind in ("during_save", "after_save", "random_time", "final_save") and 1 <= p.nth <= 18 for p in plans)
+    assert all(p.kind in KILL_KINDS and 1 <= p.nth <= 18 and 0 <= p.seconds <= 2.0 for p in plans)
     assert KillPlan("during_save", nth=3, files=2).describe() == "during save #3 (after 2 file(s))"
+    assert KillPlan("sigterm", seconds=0.25).describe() == "SIGTERM 0.25 s into training"
+    assert {draw_kill_plan(random.Random(t), 18, 2.0, kinds=("sigterm",)).kind for t in range(20)} == {"sigterm"}
+
+
+def test_the_default_stress_run_mixes_sigterm_with_sigkill_and_its_plans_do_not_depend_on_timing():
+    """The 10 trials of `python -m tutorial_lib.stress resume` (seed 0, 3 kills each, 18 saves): the plans are drawn
+    up front, so they are the same on every machine however fast its runs go."""
+    plans = [trial_kill_plans(0, t, 3, 18, 1.5) for t in range(10)]
+    assert plans == [trial_kill_plans(0, t, 3, 18, 1.5) for t in range(10)]
+    kinds = [p.kind for trial in plans for p in trial]
+    assert kinds.count("sigterm") >= 5 and kinds.count("during_save") >= 10, kinds
+    assert any(p.kind == "sigterm" for p in plans[0]) and any(p.kind == "sigterm" for p in plans[1]), \
+        "the 2 trials of CI and notebook 11 include a SIGTERM"
+    assert trial_kill_plans(1, 0, 3, 18, 1.5) != plans[0], "another seed, other plans"
+
+
+def test_a_plan_shrinks_to_the_part_of_the_run_that_is_left():
+    plan = KillPlan("during_save", nth=12, files=3, seconds=1.2)
+    assert scale_kill_plan(plan, saves=18, saves_left=18) == plan
+    half = scale_kill_plan(plan, saves=18, saves_left=9)
+    assert (half.kind, half.nth, half.files, half.seconds) == ("during_save", 6, 3, pytest.approx(0.6))
+    assert scale_kill_plan(KillPlan("after_save", nth=1), saves=18, saves_left=1).nth == 1
+    assert scale_kill_plan(plan, saves=18, saves_left=0).nth == 1, "never a save number below 1"
+
+
+def test_a_sigterm_must_end_in_exit_143_after_a_checkpoint_of_the_step_it_names():
+    plan = KillPlan("sigterm", seconds=0.5)
+    stdout = "epoch ...\nstopped at optimizer step 14, in epoch 1 (SIGTERM): checkpoint saved, resume with ...\n"
+    assert stopped_at_step(stdout) == 14 and stopped_at_step("no such line") is None
+    good = KillRecord(plan, True, complete_step=14, exit_code=143, stopped_at=14)
+    assert sigterm_problem(good, final_step=36) == ""
+    assert "exit -15" in sigterm_problem(KillRecord(plan, True, complete_step=12, exit_code=-15), final_step=36), \
+        "killed by the signal during training: work was lost"
+    assert sigterm_problem(KillRecord(plan, True, complete_step=36, exit_code=-15), final_step=36) == "", \
+        "training was over and its last checkpoint complete: the signal only ended the process on its way out"
+    assert "newest complete checkpoint is step 12" in sigterm_problem(
+        KillRecord(plan, True, complete_step=12, exit_code=143, stopped_at=14), final_step=36)
+
+
+def test_sigterm_trials_checkpoint_exit_143_and_resume_bitwise_identical(tmp_path):
+    results = stress_resume(trials=1, seed=0, workdir=tmp_path, kills_per_trial=2, launcher="fork", kinds=("sigterm",),
+                            verbose=False)
+    assert all(r.passed for r in results), [r.summary() for r in results]
+    terms = [k for r in results for k in r.kills if k.killed]
+    assert terms and all(k.plan.kind == "sigterm" and k.exit_code == 143 for k in terms), [k.describe() for k in terms]
+    assert all(k.stopped_at == k.complete_step for k in terms)
+    assert results[0].resumed_from, "the run was resumed from the SIGTERM checkpoint"
 
 
 @pytest.mark.parametrize("kind", BAD_FILE_KINDS)
@@ -70,12 +119,21 @@ def test_assert_user_error_rejects_tracebacks_extra_lines_and_wrong_codes():
             assert_user_error(bad, "--epochs must be >= 1, got 0")
 
 
-def test_stress_command_line_refuses_bad_counts():
+def test_stress_command_line_refuses_bad_values_in_one_line():
     done = subprocess.run([sys.executable, "-m", "tutorial_lib.stress", "resume", "--trials", "0"], capture_output=True,
                           text=True, env=child_env(), timeout=120)
-    assert done.returncode == 2
-    assert done.stderr.strip() == ("python -m tutorial_lib.stress: error: --trials and --epochs must be >= 1, "
-                                   "--kills_per_trial >= 0")
+    assert (done.returncode, done.stderr) == (2, "python -m tutorial_lib.stress resume: error: --trials must be >= 1, got 0\n")
+    from tutorial_lib.stress import main
+    for argv, message in [(["resume", "--kills_per_trial", "-1"], "--kills_per_trial must be >= 0, got -1"),
+                          (["resume", "--epochs", "0"], "--epochs must be >= 1, got 0"),
+                          (["resume", "--kinds", "sigint"], "--kinds invalid choice: 'sigint' (choose from "
+                                                            "'during_save', 'after_save', 'random_time', 'final_save', "
+                                                            "'sigterm')")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2, argv
+    with pytest.raises(ValueError, match="kinds must be some of"):
+        stress_resume(trials=1, kinds=("sigint",))
 
 
 
@@ -154,3 +212,51 @@ def test_a_forked_run_with_loader_workers_leaves_no_process_behind(tmp_path, kil
     for p in left:
         p.kill()
     assert not left, f"{len(left)} of the run's {len(descendants)} child processes still run"
+
+
+PROBE = """
+import os, sys
+from pathlib import Path
+
+def main(argv):
+    import torch
+    print(torch.get_num_threads(), os.environ.get("PROBE"), argv)
+    if argv and argv[0] == "fill":
+        Path(argv[1], "big").write_bytes(bytes(2_000_000))  # 2 MB onto a 1 MB disk
+    return 7 if argv == ["status"] else None
+
+
+if __name__ == "__main__":  # as the course's modules end
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture
+def probe_module(tmp_path, monkeypatch):
+    """A module `probe` with a `main(argv)`, importable by forked runs (they get this process's sys.path) and by
+    `python -m probe` (through PYTHONPATH)."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return child_env(PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]), PROBE="yes")
+
+
+@pytest.mark.parametrize("launcher", ["fork", "python"])
+def test_a_run_gets_the_threads_environment_and_exit_status_it_would_get_from_python_m(probe_module, launcher):
+    """A forked run used the fork server's thread count (its OMP_NUM_THREADS was read before the fork): two
+    threads per run on a busy 2-core machine made every forked run about 10 times slower."""
+    for threads in ("1", "2"):
+        env = {**probe_module, "OMP_NUM_THREADS": threads}
+        done = run_cli(["x"], launcher=launcher, module="probe", env=env, timeout=120)
+        assert (done.returncode, done.stdout.strip()) == (0, f"{threads} yes ['x']"), done.stderr[-2000:]
+    assert run_cli(["status"], launcher=launcher, module="probe", env=probe_module, timeout=120).returncode == 7
+
+
+@pytest.mark.skipif(can_mount_small_disk() is not None, reason="needs `unshare -rm` to mount a small tmpfs")
+@pytest.mark.parametrize("launcher", ["fork", "python"])
+def test_small_disk_gives_one_run_a_full_disk_that_nobody_else_sees(tmp_path, probe_module, launcher):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    done = run_cli(["fill", str(disk)], launcher=launcher, module="probe", env=probe_module, small_disk=(disk, "1M"),
+                   timeout=120)
+    assert done.returncode == 1 and "No space left on device" in done.stderr, (done.returncode, done.stderr[-2000:])
+    assert list(disk.iterdir()) == [], "the small disk is mounted for that run only"

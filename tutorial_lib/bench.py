@@ -17,17 +17,18 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from .core import count_training_flops, in_notebook, mfu, peak_flops_for, peak_memory_bytes, seed_everything
-from .data import build_loaders
-from .accel import build_accelerator
-from .train import default_args, resolve_learning_rate, setup_run, train_one_epoch
+from .core import (HelpFormatter, OneLineParser, count_training_flops, in_notebook, mfu, non_negative_float,
+                               non_negative_int, number_flag, peak_flops_for, peak_memory_bytes, positive_float,
+                               positive_int, seed_everything)
+# The training script (08), 07's loaders, torchvision and accelerate are imported inside the functions that use
+# them: `python -m tutorial_lib.bench --help` then costs little more than importing torch.
 
 # %% auto #0
 __all__ = ['LOOP_DEFAULTS', 'SYNTHETIC_CONFIGS', 'JPEG_SUFFIXES', 'DEFAULT_JPEG_DIR', 'GPU_DEFAULTS', 'DRY_RUN', 'time_windows',
            'median_throughput', 'make_bare_step', 'alternate', 'overhead_ratio', 'FixedBatchDataset', 'make_our_step',
            'run_loop_benchmark', 'make_train_step', 'build_synthetic_run', 'measure_steps', 'RepeatDataset',
            'jpeg_files_and_labels', 'linked_image_folder', 'decode_on_side_stream', 'jpeg_batches', 'run_gpu_benchmark',
-           'format_gpu_table', 'get_args_parser', 'main']
+           'format_gpu_table', 'torchvision_model', 'device_name', 'get_args_parser', 'main']
 
 # %% ../notebooks/10_performance.ipynb #31733dbc
 def time_windows(step: Callable[[], object], windows: int, steps_per_window: int, warmup_steps: int = 0,
@@ -134,6 +135,10 @@ def make_our_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Te
     The run is made by the script's own builders (`build_accelerator`, `setup_run`: Accelerator, 04's
     parameter groups, 05's scheduler, prepared by Accelerate); only the data is `images`/`labels`,
     served again and again by 07's seeded loader. A `max_grad_norm` > 0 turns clipping on."""
+    from tutorial_lib.accel import build_accelerator
+    from tutorial_lib.data import build_loaders
+    from tutorial_lib.train import default_args, resolve_learning_rate, setup_run, train_one_epoch
+
     batch_size = len(images)
     args = default_args(batch_size=batch_size, img_size=images.shape[-1], learning_rate=lr, momentum=momentum,
                         weight_decay=weight_decay, gradient_accumulation_steps=gradient_accumulation_steps,
@@ -291,10 +296,10 @@ def jpeg_files_and_labels(folder: str | os.PathLike, max_files: int | None = Non
     sub-folder name, or for a flat folder the file name's prefix before `_` (`n01440764_tench.JPEG` → `n01440764`)."""
     root = Path(folder)
     if not root.is_dir():
-        raise FileNotFoundError(f"no folder {root}; pass --data-dir with a folder of JPEG files")
+        raise FileNotFoundError(f"no folder {root}; pass --data_dir with a folder of JPEG files")
     files = sorted(p for p in root.rglob("*") if p.suffix.lower() in JPEG_SUFFIXES and p.is_file())
     if not files:
-        raise FileNotFoundError(f"no .jpg/.jpeg files under {root}; pass --data-dir with a folder of JPEG files")
+        raise FileNotFoundError(f"no .jpg/.jpeg files under {root}; pass --data_dir with a folder of JPEG files")
     if max_files is not None and len(files) > max_files:
         files = files[::len(files) // max_files][:max_files]
     names = [p.parent.name if p.parent != root else p.stem.split("_")[0] for p in files]
@@ -491,18 +496,16 @@ def _cmd_gpu(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench gpu skipped: no CUDA GPU available (torch.cuda.is_available() is False); "
-              "run it on a GPU machine, or pass --device cpu --dry-run to check the code path")
+              "run it on a GPU machine, or pass --device cpu --dry_run to check the code path")
         return
     sizes = dict(GPU_DEFAULTS)
     sizes.pop("budget_s")
     if args.dry_run:
         sizes.update(DRY_RUN)
-    for key in sizes:
-        if getattr(args, key, None) is not None:
-            sizes[key] = getattr(args, key)
-    backend = args.compile_backend or ("inductor" if device.type == "cuda" else "eager")
-    result = run_gpu_benchmark(device, **sizes, compile_backend=backend, peak_tflops=args.peak_tflops,
-                               data_dir=None if args.no_e2e else args.data_dir, workers=args.workers,
+    sizes.update({key: getattr(args, key) for key in sizes if hasattr(args, key)})  # what the command line gave
+    backend = getattr(args, "compile_backend", None) or ("inductor" if device.type == "cuda" else "eager")
+    result = run_gpu_benchmark(device, **sizes, compile_backend=backend, peak_tflops=getattr(args, "peak_tflops", None),
+                               data_dir=None if args.no_e2e else args.data_dir, workers=getattr(args, "workers", None),
                                decode_workers=args.decode_workers, budget_s=args.budget_s,
                                amp_dtype=None if args.fp32 else torch.bfloat16,
                                log=lambda s: print(s, file=sys.stderr, flush=True))
@@ -531,41 +534,99 @@ def _cmd_data(args: argparse.Namespace) -> None:
     print(format_data_benchmark(run_data_benchmark(args.data_dir, workers=args.workers)))  # table, then JSON
 
 
-def get_args_parser() -> argparse.ArgumentParser:
-    """`python -m tutorial_lib.bench {loop,gpu,data}`: the benchmarks of notebook 10."""
-    parser = argparse.ArgumentParser(prog="python -m tutorial_lib.bench", description=get_args_parser.__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def torchvision_model(text: str) -> str:
+    """An argparse `type=` for `--model`: a torchvision classification model (torchvision is imported only here)."""
+    import torchvision
 
-    loop = sub.add_parser("loop", help="our training step vs a bare PyTorch loop, alternating (CPU)")
-    for key, value in LOOP_DEFAULTS.items():
-        loop.add_argument(f"--{key.replace('_', '-')}", dest=key, type=type(value), default=value)
+    if text not in torchvision.models.list_models(module=torchvision.models):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torchvision classification model (e.g. resnet18, resnet50)")
+    return text
+
+
+def device_name(text: str) -> str:
+    """An argparse `type=` for `--device`: anything `torch.device` accepts (cuda, cuda:1, cpu)."""
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"must be a torch device such as cuda, cuda:1 or cpu, got {text!r}") from None
+    return text
+
+
+# flag -> (name in LOOP_DEFAULTS / GPU_DEFAULTS, type, help); names as the training script spells them (08)
+_SIZE_FLAGS = {
+    "model": ("arch", torchvision_model, "torchvision model"),
+    "img_size": ("img_size", positive_int, "image side in pixels"),
+    "batch_size": ("batch_size", positive_int, "images per step"),
+    "num_classes": ("num_classes", positive_int, "classes of the model's last layer"),
+}
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    """`python -m tutorial_lib.bench {loop,gpu,data}`: the benchmarks of notebook 10. Flags are spelled as the training
+    script's (`--batch_size`), every default shows in `--help`, and a bad value is one line and exit status 2 (00)."""
+    parser = OneLineParser(prog="python -m tutorial_lib.bench", formatter_class=HelpFormatter,
+                           description="The benchmarks of notebook 10; every subcommand ends with one JSON line.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{loop,gpu,data}")
+
+    loop = sub.add_parser("loop", formatter_class=HelpFormatter,
+                          help="our training step vs a bare PyTorch loop, alternating (CPU)",
+                          description="The training script's step (one epoch of train_one_epoch per round) against a "
+                                      "bare PyTorch loop,\nalternating in one process; prints overhead_ratio.")
+    for flag, (key, kind, text) in _SIZE_FLAGS.items():
+        loop.add_argument(f"--{flag}", dest=key, type=kind, default=LOOP_DEFAULTS[key], metavar=flag.upper(), help=text)
+    loop.add_argument("--steps", type=positive_int, default=LOOP_DEFAULTS["steps"], help="steps per round")
+    loop.add_argument("--rounds", type=positive_int, default=LOOP_DEFAULTS["rounds"],
+                      help="timed rounds per loop (even: each loop goes first equally often)")
+    loop.add_argument("--warmup_rounds", type=non_negative_int, default=LOOP_DEFAULTS["warmup_rounds"],
+                      help="untimed rounds first")
+    loop.add_argument("--learning_rate", dest="lr", type=positive_float, default=LOOP_DEFAULTS["lr"], help="SGD learning rate")
+    loop.add_argument("--momentum", type=number_flag(float, 0, 1, high_open=True), default=LOOP_DEFAULTS["momentum"],
+                      help="SGD momentum")
+    loop.add_argument("--weight_decay", type=non_negative_float, default=LOOP_DEFAULTS["weight_decay"], help="SGD weight decay")
+    loop.add_argument("--gradient_accumulation_steps", type=positive_int,
+                      default=LOOP_DEFAULTS["gradient_accumulation_steps"], help="micro-batches per optimizer step (ours)")
+    loop.add_argument("--max_grad_norm", type=non_negative_float, default=LOOP_DEFAULTS["max_grad_norm"],
+                      help="gradient clipping in our step; 0: off")
+    loop.add_argument("--seed", type=non_negative_int, default=LOOP_DEFAULTS["seed"], help="seeds weights and the batch")
     loop.add_argument("--ours", choices=["train", "bare"], default="train",
                       help="'train': the training script's step (08); 'bare': an A/A test of the harness")
     loop.set_defaults(func=_cmd_loop)
 
-    gpu = sub.add_parser("gpu", help="ResNet50 bf16 img/s and MFU on one CUDA GPU, synthetic and from JPEGs")
-    gpu.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --dry-run, to test the code path)")
-    gpu.add_argument("--dry-run", action="store_true", help="tiny sizes (ResNet18, 64 px, batch 4): checks the code path")
-    for key in ["arch", "img_size", "batch_size", "windows", "steps_per_window", "warmup_steps", "num_classes"]:
-        gpu.add_argument(f"--{key.replace('_', '-')}", dest=key, type=type(GPU_DEFAULTS[key]), default=None,
-                         help=f"default {GPU_DEFAULTS[key]} ({DRY_RUN.get(key, GPU_DEFAULTS[key])} with --dry-run)")
-    gpu.add_argument("--peak-tflops", type=float, default=None,
-                     help="the device's dense bf16 peak in TFLOP/s (default: looked up by name, e.g. H200 989, A100 312)")
-    gpu.add_argument("--data-dir", default=DEFAULT_JPEG_DIR,
-                     help="folder of JPEG files (any layout) for the end-to-end rows; the default is relative to the "
-                          "repository root, where the command is meant to run")
-    gpu.add_argument("--no-e2e", action="store_true", help="synthetic rows only")
-    gpu.add_argument("--workers", type=int, default=None, help="CPU DataLoader workers (default: CPUs - 1)")
-    gpu.add_argument("--decode-workers", type=int, default=4, help="workers reading bytes for GPU decoding")
-    gpu.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor on CUDA, eager on CPU)")
-    gpu.add_argument("--budget-s", type=float, default=GPU_DEFAULTS["budget_s"],
+    gpu = sub.add_parser("gpu", formatter_class=HelpFormatter,
+                         help="ResNet50 bf16 img/s and MFU on one CUDA GPU, synthetic and from JPEGs",
+                         description="Synthetic-data img/s and MFU of eager, channels_last and torch.compile, then "
+                                     "end to end from JPEGs\n(CPU workers, GPU decoding). Without CUDA it prints one line "
+                                     "and exits 0.")
+    gpu.add_argument("--device", type=device_name, default="cuda", help="cuda, or cpu (with --dry_run: checks the code path)")
+    gpu.add_argument("--dry_run", action="store_true", help="tiny sizes (ResNet18, 64 px, batch 4): checks the code path")
+    sizes = {**_SIZE_FLAGS, "windows": ("windows", positive_int, "timed windows (the median counts)"),
+             "steps_per_window": ("steps_per_window", positive_int, "steps per timed window"),
+             "warmup_steps": ("warmup_steps", non_negative_int, "untimed steps first (they include compiling)")}
+    for flag, (key, kind, text) in sizes.items():  # not given: GPU_DEFAULTS, or DRY_RUN with --dry_run
+        gpu.add_argument(f"--{flag}", dest=key, type=kind, default=argparse.SUPPRESS, metavar=flag.upper(),
+                         help=f"{text} (default: {GPU_DEFAULTS[key]}; {DRY_RUN[key]} with --dry_run)")
+    gpu.add_argument("--peak_tflops", type=positive_float, default=argparse.SUPPRESS,
+                     help="the device's dense bf16 peak in TFLOP/s (default: looked up by the device's name, e.g. "
+                          "H200 989, A100 312)")
+    gpu.add_argument("--data_dir", default=DEFAULT_JPEG_DIR,
+                     help="folder of JPEG files (any layout) for the end-to-end rows; a relative path starts at the "
+                          "folder you run the command in (meant: the repository root)")
+    gpu.add_argument("--no_e2e", action="store_true", help="synthetic rows only")
+    gpu.add_argument("--workers", type=non_negative_int, default=argparse.SUPPRESS,
+                     help="CPU DataLoader workers (default: the CPUs this process may use, minus one)")
+    gpu.add_argument("--decode_workers", type=non_negative_int, default=4, help="workers reading bytes for GPU decoding")
+    gpu.add_argument("--compile_backend", default=argparse.SUPPRESS,
+                     help="torch.compile backend (default: inductor on CUDA, eager on CPU)")
+    gpu.add_argument("--budget_s", type=non_negative_float, default=GPU_DEFAULTS["budget_s"],
                      help="start no new measurement after this many seconds")
-    gpu.add_argument("--fp32", action="store_true", help="no autocast (default: bf16 autocast)")
+    gpu.add_argument("--fp32", action="store_true", help="no autocast (otherwise bf16 autocast)")
     gpu.set_defaults(func=_cmd_gpu)
 
-    data = sub.add_parser("data", help="07's baseline vs fast input pipeline (tutorial_lib.data.run_data_benchmark)")
-    data.add_argument("--data-dir", required=True, help="a folder of images (any depth)")
-    data.add_argument("--workers", type=int, default=1)
+    data = sub.add_parser("data", formatter_class=HelpFormatter,
+                          help="07's baseline vs fast input pipeline (tutorial_lib.data.run_data_benchmark)",
+                          description="torchvision's default input pipeline against 07's, images/s per worker.")
+    data.add_argument("--data_dir", required=True, default=argparse.SUPPRESS, help="a folder of images (any depth); required")
+    data.add_argument("--workers", type=non_negative_int, default=1, help="DataLoader workers of each pipeline")
     data.set_defaults(func=_cmd_data)
     return parser
 

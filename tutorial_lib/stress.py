@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -21,13 +22,14 @@ from pathlib import Path
 import numpy as np
 
 from .accel import sha256_file
-from .core import in_notebook
+from .core import HelpFormatter, OneLineParser, in_notebook, non_negative_int, positive_int
 
 # %% auto #0
-__all__ = ['BAD_FILE_KINDS', 'STRESS_RUN', 'KILL_KINDS', 'make_image_folder', 'corrupt_image', 'first_files_of_process',
-           'CliResult', 'child_env', 'as_flags', 'stop_fork_server', 'TrainingProcess', 'run_cli', 'assert_user_error',
-           'checkpoint_folders', 'KillPlan', 'KillRecord', 'draw_kill_plan', 'watch_and_kill', 'TrialResult',
-           'metrics_match', 'run_trial', 'stress_resume', 'get_args_parser', 'main']
+__all__ = ['BAD_FILE_KINDS', 'FORK_PRELOAD', 'STRESS_RUN', 'KILL_KINDS', 'KILL_WEIGHTS', 'make_image_folder', 'corrupt_image',
+           'first_files_of_process', 'CliResult', 'child_env', 'as_flags', 'enter_small_disk', 'can_mount_small_disk',
+           'stop_fork_server', 'TrainingProcess', 'run_cli', 'assert_user_error', 'checkpoint_folders', 'KillPlan',
+           'KillRecord', 'draw_kill_plan', 'trial_kill_plans', 'scale_kill_plan', 'stopped_at_step', 'watch_and_kill',
+           'TrialResult', 'metrics_match', 'sigterm_problem', 'run_trial', 'stress_resume', 'get_args_parser', 'main']
 
 # %% ../notebooks/11_reliability.ipynb #b4367a58
 def make_image_folder(root: str | os.PathLike, classes: int = 4, train_per_class: int = 24, val_per_class: int = 6,
@@ -128,10 +130,19 @@ def as_flags(options: dict) -> list[str]:
     return flags
 
 
-def _fork_child(argv: list[str], out_path: str, err_path: str, cwd: str | None, env: dict) -> None:
-    """Body of a forked training process: redirect stdout/stderr to files, then run the CLI's `main`."""
+def _fork_child(module: str, argv: list[str], out_path: str, err_path: str, cwd: str | None, env: dict,
+                small_disk: tuple[str, str] | None) -> None:
+    """Body of a forked run: the environment, threads and files of `python -m <module>`, then its `main`."""
+    if small_disk:  # first, while this process has a single thread (a new user namespace needs that)
+        enter_small_disk(*small_disk)
     os.environ.clear()
     os.environ.update(env)
+    # The fork server imported torch with *its* environment, so OMP_NUM_THREADS above comes too late for torch's
+    # thread pool: set it as `python -m` would have read it (2 threads fighting over a busy core run 10x slower).
+    if env.get("OMP_NUM_THREADS", "").isdigit():
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     # A child of the fork server inherits "forkserver" as its start method: its data loader workers would
     # come from a second server that outlives a killed run. Start them as `python -m tutorial_lib.train` does.
     multiprocessing.set_start_method(None, force=True)
@@ -143,20 +154,50 @@ def _fork_child(argv: list[str], out_path: str, err_path: str, cwd: str | None, 
         os.close(f)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
-    from tutorial_lib.train import main
+    from importlib import import_module
 
-    main(argv)
+    raise SystemExit(import_module(module).main(argv))  # None (train) is exit 0; `tutorial_lib.data` returns its status
+
+
+def enter_small_disk(folder: str | os.PathLike, size: str) -> None:
+    """From now on this process (and its children) see a tmpfs of `size` (e.g. "600k") on `folder`: a disk
+    that fills up, to test what a run does then (11). What `unshare -rm` + `mount -t tmpfs` do, for this
+    process only: a new user and mount namespace, so no root is needed and nobody else sees the mount. Linux."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    uid, gid = os.getuid(), os.getgid()
+    if libc.unshare(0x10000000 | 0x00020000) != 0:  # CLONE_NEWUSER | CLONE_NEWNS
+        raise OSError(ctypes.get_errno(), f"unshare: {os.strerror(ctypes.get_errno())}")
+    for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+        Path(f"/proc/self/{name}").write_text(text)
+    if libc.mount(b"tmpfs", os.fsencode(str(folder)), b"tmpfs", 0, f"size={size}".encode()) != 0:
+        raise OSError(ctypes.get_errno(), f"mount tmpfs on {folder}: {os.strerror(ctypes.get_errno())}")
+
+
+def can_mount_small_disk() -> str | None:
+    """None when `enter_small_disk` works here, else why not (not Linux, user namespaces switched off, ...)."""
+    if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
+        return f"needs Linux with the `unshare` command (this is {sys.platform})"
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1M tmpfs /mnt"], capture_output=True,
+                          text=True)
+    return None if done.returncode == 0 else f"`unshare -rm` cannot mount a tmpfs here: {done.stderr.strip()[:200]}"
 
 
 _FORK_CONTEXT = None
 
 
+# What a run imports: the training script, and what it imports only when it needs it (a missing one is skipped).
+FORK_PRELOAD = ("tutorial_lib.train", "tutorial_lib.stress", "accelerate", "torchvision", "torchmetrics",
+                "safetensors.torch", "huggingface_hub.serialization")
+
+
 def _fork_context():
-    """A forkserver that imported `tutorial_lib.train` once: each run starts in a fraction of a second."""
+    """A forkserver that imported `FORK_PRELOAD` once: each run starts in a fraction of a second."""
     global _FORK_CONTEXT
     if _FORK_CONTEXT is None:
         _FORK_CONTEXT = multiprocessing.get_context("forkserver")
-        _FORK_CONTEXT.set_forkserver_preload(["tutorial_lib.train", "tutorial_lib.stress"])
+        _FORK_CONTEXT.set_forkserver_preload(list(FORK_PRELOAD))
     return _FORK_CONTEXT
 
 
@@ -176,30 +217,38 @@ def stop_fork_server() -> None:
 
 
 class TrainingProcess:
-    """One training run in its own process, started with `python -m tutorial_lib.train` (`launcher="python"`)
-    or forked from a server that already imported the library (`launcher="fork"`, same `main`, no import cost).
+    """One run of a command line in its own process: `python -m tutorial_lib.train` (`launcher="python"`), or
+    forked from a server that already imported the library (`launcher="fork"`: the same `main`, no import
+    cost). `module` picks another command line (e.g. `tutorial_lib.data`); `small_disk=(folder, size)` runs
+    it with a full-disk test mount on `folder` (`enter_small_disk`).
 
     Output goes to files (`log_prefix`.out/.err) so the process never blocks on a full pipe."""
 
     def __init__(self, argv: list[str], log_prefix: str | os.PathLike, launcher: str = "python",
-                 cwd: str | os.PathLike | None = None, env: dict | None = None):
+                 cwd: str | os.PathLike | None = None, env: dict | None = None, module: str = "tutorial_lib.train",
+                 small_disk: tuple[str | os.PathLike, str] | None = None):
         if launcher not in ("python", "fork"):
             raise ValueError(f"launcher must be 'python' or 'fork', got {launcher!r}")
         self.out_path, self.err_path = Path(f"{log_prefix}.out"), Path(f"{log_prefix}.err")
         self.out_path.parent.mkdir(parents=True, exist_ok=True)
         self.launcher, self.killed, self.start, self.active_seconds = launcher, False, time.perf_counter(), None
         env = env or child_env()
+        disk = (str(small_disk[0]), str(small_disk[1])) if small_disk else None
         if launcher == "python":
+            command = [sys.executable, "-m", module, *map(str, argv)]
+            if disk:  # the same namespace trick as enter_small_disk, by the `unshare` command
+                command = ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o "size=$0" tmpfs "$1" || exit 125; shift; '
+                           'exec "$@"', disk[1], disk[0], *command]
             with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-                self._proc = subprocess.Popen([sys.executable, "-m", "tutorial_lib.train", *argv], cwd=cwd, env=env,
-                                              stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+                self._proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
             self.pid = self._proc.pid
         else:
             self.out_path.touch(), self.err_path.touch()  # exist even if the child is killed before it opens them
             from tutorial_lib.stress import _fork_child as target  # by module name, also when run as __main__
 
             self._proc = _fork_context().Process(target=target, args=(
-                list(argv), str(self.out_path), str(self.err_path), str(cwd) if cwd else None, env))
+                module, list(map(str, argv)), str(self.out_path), str(self.err_path), str(cwd) if cwd else None, env,
+                disk))
             self._proc.start()
             self.pid = self._proc.pid
 
@@ -213,6 +262,13 @@ class TrainingProcess:
             os.kill(self.pid, signal.SIGKILL)
             self.killed = True
         self.wait(30)
+
+    def terminate(self, signum: int = signal.SIGTERM, timeout: float = 300) -> int | None:
+        """Send SIGTERM (what SLURM and Kubernetes send first; or `signum`, e.g. SIGUSR1) and wait for the exit
+        code: the training script finishes its step, checkpoints and exits 128 + the signal's number."""
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+        return self.wait(timeout)
 
     def wait(self, timeout: float | None = None) -> int | None:
         try:
@@ -233,13 +289,15 @@ class TrainingProcess:
 
 
 def run_cli(argv: list[str], launcher: str = "fork", cwd: str | os.PathLike | None = None, env: dict | None = None,
-            timeout: float = 300, log_prefix: str | os.PathLike | None = None) -> CliResult:
-    """Run the training command line with `argv` in a new process and return its `CliResult` (11)."""
+            timeout: float = 300, log_prefix: str | os.PathLike | None = None, module: str = "tutorial_lib.train",
+            small_disk: tuple[str | os.PathLike, str] | None = None) -> CliResult:
+    """Run the training command line (or `module`'s) with `argv` in a new process and return its `CliResult` (11)."""
+    options = dict(launcher=launcher, cwd=cwd, env=env, module=module, small_disk=small_disk)
     if log_prefix is not None:
-        return TrainingProcess(argv, log_prefix, launcher, cwd, env).result(timeout)
+        return TrainingProcess(argv, log_prefix, **options).result(timeout)
     log_dir = Path(tempfile.mkdtemp(prefix="tutorial-cli-"))
     try:  # the result holds the logs' text, so the files can go (tests call this hundreds of times)
-        return TrainingProcess(argv, log_dir / "run", launcher, cwd, env).result(timeout)
+        return TrainingProcess(argv, log_dir / "run", **options).result(timeout)
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
 
@@ -255,7 +313,8 @@ def assert_user_error(result: CliResult, message: str, code: int = 2) -> None:
 STRESS_RUN = dict(model="tinycnn", img_size=16, epochs=3, batch_size=8, learning_rate=0.05, lr_scheduler="cosine",
                   lr_warmup_epochs=0.5, num_workers=0, cpu=True, log_with="none", disable_progress_bar=True,
                   checkpoint_every_steps=2, keep_last_checkpoints=2, log_interval=0, seed=0)
-KILL_KINDS = ("during_save", "after_save", "random_time", "final_save")
+KILL_KINDS = ("during_save", "after_save", "random_time", "final_save", "sigterm")
+KILL_WEIGHTS = (6, 2, 2, 1, 3)  # of 14 kills: 6 SIGKILLs during a save, 5 other SIGKILLs, 3 SIGTERMs
 
 
 def checkpoint_folders(run_dir: str | os.PathLike) -> tuple[list[str], list[tuple[str, int]]]:
@@ -282,7 +341,8 @@ class KillPlan:
     """When to SIGKILL one run: `during_save` (once the `.tmp-step_*` folder of its `nth` save holds
     `files` files), `after_save` (right after its `nth` checkpoint is renamed into place),
     `random_time` (`seconds` after its first checkpoint activity), `final_save` (while
-    `model.safetensors` is written) or `never` (just watch)."""
+    `model.safetensors` is written); `sigterm`: send SIGTERM instead, `seconds` after its first checkpoint
+    activity (the run must checkpoint and exit 143); `never`: just watch."""
 
     kind: str
     nth: int = 1
@@ -292,35 +352,71 @@ class KillPlan:
     def describe(self) -> str:
         return {"during_save": f"during save #{self.nth} (after {self.files} file(s))",
                 "after_save": f"right after save #{self.nth}", "random_time": f"{self.seconds:.2f} s into training",
-                "final_save": "while writing model.safetensors", "never": "never"}[self.kind]
+                "final_save": "while writing model.safetensors", "sigterm": f"SIGTERM {self.seconds:.2f} s into training",
+                "never": "never"}[self.kind]
 
 
 @dataclass
 class KillRecord:
-    """What one kill did: whether it landed, the newest complete checkpoint then, and the leftovers."""
+    """What one kill did: whether it landed, the newest complete checkpoint then, and the leftovers; for
+    SIGTERM also the exit code and the step the run said it stopped at."""
 
     plan: KillPlan
     killed: bool
     complete_step: int | None = None
     leftovers: list[tuple[str, int]] = field(default_factory=list)  # (temporary folder, files in it)
+    exit_code: int | None = None
+    stopped_at: int | None = None  # "stopped at optimizer step N" (SIGTERM)
 
     def describe(self) -> str:
         if not self.killed:
             return f"finished before the kill ({self.plan.describe()})"
         left = ", ".join(f"{name} ({n} files)" for name, n in self.leftovers) or "none"
+        if self.plan.kind == "sigterm" and self.exit_code == -signal.SIGTERM:
+            return (f"{self.plan.describe()}: the signal ended the run on its way out (exit -15, 143 in a shell); "
+                    f"newest complete checkpoint step {self.complete_step}, leftovers {left}")
+        if self.plan.kind == "sigterm":
+            return (f"{self.plan.describe()}: exit {self.exit_code}, stopped at step {self.stopped_at}; newest complete "
+                    f"checkpoint step {self.complete_step}, leftovers {left}")
         return f"killed {self.plan.describe()}: newest complete checkpoint step {self.complete_step}, leftovers {left}"
 
 
-def draw_kill_plan(rng: random.Random, saves_left: int, seconds_left: float) -> KillPlan:
-    """A seeded random kill: half of them during a checkpoint save, the rest spread over the run."""
-    kind = rng.choices(KILL_KINDS, weights=[5, 2, 2, 1])[0]
+def draw_kill_plan(rng: random.Random, saves_left: int, seconds_left: float,
+                   kinds: tuple[str, ...] = KILL_KINDS) -> KillPlan:
+    """A seeded random kill among `kinds` (weighted by `KILL_WEIGHTS`): SIGKILL, often during a checkpoint save,
+    or SIGTERM, spread over the run."""
+    weights = [w for k, w in zip(KILL_KINDS, KILL_WEIGHTS) if k in kinds]
+    kind = rng.choices([k for k in KILL_KINDS if k in kinds], weights=weights)[0]
     return KillPlan(kind, nth=rng.randint(1, max(1, saves_left)), files=rng.randint(0, 5),
                     seconds=rng.uniform(0.0, max(0.05, seconds_left)))
 
 
+def trial_kill_plans(seed: int, trial: int, kills: int, saves: int, seconds: float,
+                     kinds: tuple[str, ...] = KILL_KINDS) -> list[KillPlan]:
+    """The kills of stress trial `trial`, drawn up front for the whole run (`saves` checkpoints in `seconds`):
+    the same plans on every machine and Python, however fast the runs go. `scale_kill_plan` fits each one to
+    the part of the run that is left when it is used."""
+    digest = hashlib.sha256(f"stress-{seed}-{trial}".encode()).digest()
+    rng = random.Random(int.from_bytes(digest[:8], "little"))
+    return [draw_kill_plan(rng, saves, seconds, kinds) for _ in range(kills)]
+
+
+def scale_kill_plan(plan: KillPlan, saves: int, saves_left: int) -> KillPlan:
+    """`plan` for the `saves_left` of `saves` checkpoints still to come: save `nth` and `seconds` shrink in proportion."""
+    share = max(0, saves_left) / max(1, saves)
+    return KillPlan(plan.kind, nth=max(1, math.ceil(plan.nth * share)), files=plan.files, seconds=plan.seconds * share)
+
+
+def stopped_at_step(stdout: str) -> int | None:
+    """N of the training script's last "stopped at optimizer step N, ..." line (after SIGTERM/SIGUSR1), else None."""
+    lines = [line for line in stdout.splitlines() if line.startswith("stopped at optimizer step ")]
+    return int(lines[-1].split()[4].rstrip(",")) if lines else None
+
+
 def watch_and_kill(proc: TrainingProcess, run_dir: str | os.PathLike, plan: KillPlan, timeout: float = 300,
                    poll_s: float = 0.0005) -> KillRecord:
-    """Poll the run's checkpoint folder every `poll_s` s and SIGKILL `proc` when `plan` says (11).
+    """Poll the run's checkpoint folder every `poll_s` s and SIGKILL `proc` when `plan` says (11); a `sigterm`
+    plan sends SIGTERM and waits for the run to checkpoint and exit.
 
     Also sets `proc.active_seconds`, the time from its first to its last checkpoint."""
     run_dir = Path(run_dir)
@@ -340,13 +436,21 @@ def watch_and_kill(proc: TrainingProcess, run_dir: str | os.PathLike, plan: Kill
         elif plan.kind == "after_save":
             saves += len(new_steps)
             hit = saves >= plan.nth
-        elif plan.kind == "random_time":
+        elif plan.kind in ("random_time", "sigterm"):
             hit = t_active is not None and time.perf_counter() - t_active >= plan.seconds
         else:
             hit = plan.kind == "final_save" and (run_dir / ".tmp-final").exists()
         seen_steps.update(new_steps)
         if new_steps and t_active is not None:
             proc.active_seconds = time.perf_counter() - t_active
+        if hit and plan.kind == "sigterm":
+            code = proc.terminate(timeout=max(1.0, deadline - time.perf_counter()))
+            if code is None:  # it did not stop: that is a failure to see, so end it the hard way
+                proc.kill()
+            steps, tmps = checkpoint_folders(run_dir)
+            return KillRecord(plan, code != 0, int(steps[-1][5:]) if steps else None,
+                              [(name, _count_files(run_dir / "checkpoints" / name)) for name, _ in tmps],
+                              exit_code=code, stopped_at=stopped_at_step(proc.out_path.read_text()))
         if hit or time.perf_counter() >= deadline:
             proc.kill()
             steps, tmps = checkpoint_folders(run_dir)
@@ -381,8 +485,9 @@ class TrialResult:
     def summary(self) -> str:
         resumed = ", ".join(str(int(p.rsplit("step_", 1)[-1])) for p in self.resumed_from) or "-"
         kills = sum(k.killed for k in self.kills)
+        terms = sum(k.killed for k in self.kills if k.plan.kind == "sigterm")
         return (f"trial {self.trial}: {'IDENTICAL' if self.passed else 'DIFFERENT'} after {self.runs} run(s), {kills} "
-                f"kill(s), resumed at steps [{resumed}], {self.ignored_leftovers} leftover(s) ignored, sha256 "
+                f"kill(s) ({terms} SIGTERM), resumed at steps [{resumed}], {self.ignored_leftovers} leftover(s) ignored, sha256 "
                 f"{self.sha256[:12]}, {self.seconds:.1f} s" + (f" | {self.error}" if self.error else ""))
 
 
@@ -399,11 +504,27 @@ def _read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def sigterm_problem(kill: KillRecord, final_step: int) -> str:
+    """What is wrong with how a run ended after SIGTERM ("" if nothing). During training it must exit 143 after
+    saving a checkpoint of the step it names, the newest complete one. A run whose training is over (its
+    checkpoint of `final_step` is complete) may also be ended by the signal itself on its way out: exit -15
+    here, 143 in a shell, and nothing is lost."""
+    if kill.exit_code == -signal.SIGTERM and kill.complete_step == final_step:
+        return ""
+    if kill.exit_code != 128 + signal.SIGTERM:
+        return (f"SIGTERM ended the run with exit {kill.exit_code} at newest complete checkpoint step "
+                f"{kill.complete_step} of {final_step}, not 143 after a checkpoint")
+    if kill.stopped_at is None or kill.stopped_at != kill.complete_step:
+        return (f"after SIGTERM the run said it stopped at step {kill.stopped_at} but the newest complete "
+                f"checkpoint is step {kill.complete_step}")
+    return ""
+
+
 def run_trial(trial: int, seed: int, workdir: Path, options: dict, reference: dict, kills_per_trial: int,
-              launcher: str, timeout: float) -> TrialResult:
-    """Start, kill (`kills_per_trial` seeded kills), resume with `latest` ... until the run finishes."""
-    digest = hashlib.sha256(f"stress-{seed}-{trial}".encode()).digest()  # the same plans on every machine and Python
-    rng = random.Random(int.from_bytes(digest[:8], "little"))
+              launcher: str, timeout: float, kinds: tuple[str, ...] = KILL_KINDS) -> TrialResult:
+    """Start, kill (`kills_per_trial` seeded kills: SIGKILL, or SIGTERM that must end in a checkpoint and exit
+    143), resume with `latest` ... until the run finishes."""
+    plans = trial_kill_plans(seed, trial, kills_per_trial, reference["saves"], reference["train_seconds"], kinds)
     name = f"trial_{trial:02d}"
     run_dir, every = workdir / name, options["checkpoint_every_steps"]
     result, start = TrialResult(trial), time.perf_counter()
@@ -414,10 +535,15 @@ def run_trial(trial: int, seed: int, workdir: Path, options: dict, reference: di
         if attempt < kills_per_trial:
             steps, _ = checkpoint_folders(run_dir)
             done = int(steps[-1][5:]) // every if steps else 0
-            left = max(0, reference["saves"] - done)
-            result.kills.append(watch_and_kill(proc, run_dir, draw_kill_plan(
-                rng, left, reference["train_seconds"] * left / max(1, reference["saves"])), timeout))
+            plan = scale_kill_plan(plans[attempt], reference["saves"], reference["saves"] - done)
+            result.kills.append(watch_and_kill(proc, run_dir, plan, timeout))
         out = proc.result(timeout)
+        kill = result.kills[-1] if attempt < kills_per_trial else None
+        if kill is not None and kill.killed and kill.plan.kind == "sigterm":
+            result.error = sigterm_problem(kill, reference["rows"][-1]["step"])
+            if result.error:
+                break
+            out.killed = True  # stopped as asked: resume it like a killed run
         result.resumed_from += [line.split("resumed from ", 1)[1].split(":")[0]
                                 for line in out.stdout.splitlines() if line.startswith("resumed from ")]
         result.ignored_leftovers += sum("ignoring incomplete checkpoint" in line for line in out.stderr_lines)
@@ -439,12 +565,17 @@ def run_trial(trial: int, seed: int, workdir: Path, options: dict, reference: di
 
 def stress_resume(trials: int = 10, seed: int = 0, workdir: str | os.PathLike | None = None, kills_per_trial: int = 3,
                   launcher: str = "python", run_options: dict | None = None, data_dir: str | os.PathLike | None = None,
-                  timeout: float = 300, verbose: bool = True) -> list[TrialResult]:
-    """Kill-anywhere resume: train, SIGKILL at seeded random moments, resume with `latest`, until done (11).
+                  timeout: float = 300, verbose: bool = True, kinds: tuple[str, ...] = KILL_KINDS) -> list[TrialResult]:
+    """Kill-anywhere resume: train, SIGKILL or SIGTERM at seeded random moments, resume with `latest`, until done (11).
 
     First an uninterrupted reference run; then each trial restarts its run with
     `--resume_from_checkpoint latest` after every kill and lets the last one finish. A trial passes
-    when its `model.safetensors` is byte for byte the reference's and `metrics.jsonl` matches."""
+    when its `model.safetensors` is byte for byte the reference's and `metrics.jsonl` matches, and
+    every SIGTERM ended its run with exit 143 after a checkpoint of the step it named. `kinds`
+    restricts the kills (e.g. `("sigterm",)`)."""
+    unknown = sorted(set(kinds) - set(KILL_KINDS))
+    if unknown or not kinds:
+        raise ValueError(f"kinds must be some of {KILL_KINDS}, got {tuple(kinds)}")
     workdir = Path(workdir or tempfile.mkdtemp(prefix="tutorial-stress-"))
     data_dir = Path(data_dir) if data_dir else make_image_folder(workdir / "data")
     options = {**STRESS_RUN, **(run_options or {}), "path_to_data": str(data_dir), "working_directory": str(workdir)}
@@ -464,7 +595,7 @@ def stress_resume(trials: int = 10, seed: int = 0, workdir: str | os.PathLike | 
         f"{reference['sha256'][:12]}")
     results = []
     for trial in range(trials):
-        results.append(run_trial(trial, seed, workdir, options, reference, kills_per_trial, launcher, timeout))
+        results.append(run_trial(trial, seed, workdir, options, reference, kills_per_trial, launcher, timeout, tuple(kinds)))
         say(results[-1].summary())
         for kill in results[-1].kills:
             say(f"    {kill.describe()}")
@@ -473,33 +604,39 @@ def stress_resume(trials: int = 10, seed: int = 0, workdir: str | os.PathLike | 
 
 # %% ../notebooks/11_reliability.ipynb #19aa4330
 def get_args_parser() -> argparse.ArgumentParser:
-    """`python -m tutorial_lib.stress resume --trials N [--seed S]` (11)."""
-    parser = argparse.ArgumentParser(prog="python -m tutorial_lib.stress",
-                                     description="Reliability checks of the training script (notebook 11).")
-    sub = parser.add_subparsers(dest="command", required=True)
-    resume = sub.add_parser("resume", help="SIGKILL tiny CPU trainings at seeded random moments, resume, compare weights")
-    resume.add_argument("--trials", type=int, default=10)
-    resume.add_argument("--seed", type=int, default=0, help="seeds the kill moments")
-    resume.add_argument("--kills_per_trial", type=int, default=3)
+    """`python -m tutorial_lib.stress resume --trials N [--seed S] ...` (11): 00's conventions, as the training script
+    (one-line errors, every default in `--help`, each value checked where it is declared)."""
+    parser = OneLineParser(prog="python -m tutorial_lib.stress", formatter_class=HelpFormatter,
+                           description="Reliability checks of the training script (notebook 11).")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{resume}")
+    resume = sub.add_parser("resume", formatter_class=HelpFormatter,
+                            help="kill tiny CPU trainings at seeded random moments (SIGKILL or SIGTERM), resume them, "
+                                 "compare the final weights bit for bit",
+                            description="Train a tiny model on CPU once without interruption; then, in each trial, kill\n"
+                                        "the same run at seeded random moments, resume it with --resume_from_checkpoint\n"
+                                        "latest until it finishes, and compare model.safetensors with the reference's.\n"
+                                        "Exit 0 when every trial is bit-identical, 1 otherwise, 2 on a bad flag.")
+    resume.add_argument("--trials", type=positive_int, default=10, help="trials, each its own run")
+    resume.add_argument("--seed", type=non_negative_int, default=0, help="seeds the kill moments")
+    resume.add_argument("--kills_per_trial", type=non_negative_int, default=3, help="kills before a trial's run may finish")
+    resume.add_argument("--kinds", choices=KILL_KINDS, nargs="+", default=list(KILL_KINDS), metavar="KIND",
+                        help=f"kinds of kill to draw from, some of {', '.join(KILL_KINDS)} (sigterm: the run must "
+                             "checkpoint and exit 143)")
     resume.add_argument("--launcher", choices=["python", "fork"], default="python",
                         help="python: each run is `python -m tutorial_lib.train`; fork: forked from a process that "
                              "imported it once (same main(), seconds faster)")
     resume.add_argument("--workdir", default=None,
-                        help="default: a new temporary folder, deleted at the end when every trial passed")
-    resume.add_argument("--epochs", type=int, default=STRESS_RUN["epochs"])
+                        help="where the runs go; none: a new temporary folder, deleted at the end when every trial passed")
+    resume.add_argument("--epochs", type=positive_int, default=STRESS_RUN["epochs"], help="epochs of each run")
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point; exits 0 when every trial ends with bitwise-identical weights, 1 otherwise, 2 on bad flags."""
     args = get_args_parser().parse_args(argv)
-    if args.trials < 1 or args.kills_per_trial < 0 or args.epochs < 1:
-        print("python -m tutorial_lib.stress: error: --trials and --epochs must be >= 1, --kills_per_trial >= 0",
-              file=sys.stderr)
-        raise SystemExit(2)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="tutorial-stress-"))
     results = stress_resume(args.trials, args.seed, workdir, args.kills_per_trial, args.launcher,
-                            run_options={"epochs": args.epochs})
+                            run_options={"epochs": args.epochs}, kinds=tuple(args.kinds))
     passed = all(r.passed for r in results)
     if args.workdir is None and passed:
         shutil.rmtree(workdir, ignore_errors=True)  # every run matched: nothing to look at, and it holds checkpoints
