@@ -36,8 +36,8 @@ compare = dict(model="tinycnn", img_size=32, learning_rate=0.05, lr_scheduler="c
 
 
 def counted(args):                      # what each launched process runs: note its threads, then train
-    from accelerate import PartialState
-    (work / f"threads_{PartialState().process_index}.txt").write_text(str(torch.get_num_threads()))
+    import os
+    (work / f"threads_{os.environ['RANK']}.txt").write_text(str(torch.get_num_threads()))
     train(args)
 
 
