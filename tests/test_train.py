@@ -42,6 +42,19 @@ def test_defaults_are_the_torchvision_v1_recipe_and_the_embedded_data():
     assert (args.lr_scheduler, args.lr_step_size, args.step_lr_decay) == ("step", 30, 0.1)
     assert args.path_to_data == str(embedded_data_path()) and args.num_classes is None
     assert args.norm_weight_decay is None and args.bias_weight_decay is None  # V1: decay on every parameter
+    assert args.min_crop_scale == 0.08  # torchvision's RandomResizedCrop scale=(0.08, 1)
+
+
+def test_min_crop_scale_reaches_the_training_crops_and_is_checked_where_declared(capsys):
+    from tutorial_lib.data import base_dataset
+    from tutorial_lib.train import load_data
+    train_ds, _ = load_data(default_args(**{**TINY, "min_crop_scale": 0.35}))
+    assert base_dataset(train_ds).transform.scale == (0.35, 1.0)
+    for bad in ["0", "1.5", "nan"]:
+        with pytest.raises(SystemExit) as stop:
+            get_args_parser().parse_args(["--min_crop_scale", bad])
+        assert stop.value.code == 2
+        assert "--min_crop_scale" in capsys.readouterr().err
 
 
 def test_help_says_batch_size_is_per_process_and_gives_the_global_batch_formula():
@@ -390,3 +403,14 @@ def test_help_shows_every_default_and_costs_little_more_than_importing_torch(tmp
     assert options and set(options) <= set(blocks), sorted(set(options) - set(blocks))
     assert all("(default:" in blocks[o] for o in options), [o for o in options if "(default:" not in blocks[o]]
     assert "--inject_nan_at_steps" not in text, "a testing hook is not for users"
+
+
+def test_readme_quick_start_command_parses_with_the_script_flags():
+    """The README's quick start is copied by every newcomer: each of its flags must exist and parse."""
+    import shlex
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index("tutorial-train --cpu"):]
+    command = block[:block.index("```")].replace("\\\n", " ")
+    args = get_args_parser(exit_on_error=False).parse_args(shlex.split(command)[1:])
+    assert (args.model, args.img_size, args.min_crop_scale, args.zero_init_residual) == ("resnet18", 32, 0.5, True)
+    assert args.cpu and args.log_with == ["none"]
