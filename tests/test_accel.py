@@ -298,6 +298,35 @@ def test_launch_with_timeout_gives_up_after_its_attempts(tmp_path):
     assert Path(marker).read_text() == "x"
 
 
+def note_threads(out: str) -> None:
+    """A launched function that notes its OMP_NUM_THREADS and torch thread count, per rank."""
+    import warnings
+
+    from accelerate import Accelerator
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        accelerator = Accelerator(cpu=True)
+    Path(f"{out}.{accelerator.process_index}").write_text(json.dumps(
+        [os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads(), [str(w.message) for w in caught]]))
+
+
+@pytest.mark.slow
+def test_launched_processes_get_their_share_of_the_cores_without_accelerates_warning(tmp_path, monkeypatch, capsys):
+    import psutil
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    out = str(tmp_path / "threads")
+    launch_with_timeout(note_threads, (out,), num_processes=2, timeout=120)
+    share = max(1, psutil.cpu_count(logical=False) // 2)  # what accelerate itself would pick, with a warning
+    for rank in (0, 1):
+        variable, threads, warned = json.loads(Path(f"{out}.{rank}").read_text())
+        assert (variable, threads) == (str(share), share)
+        assert not any("OMP_NUM_THREADS" in w for w in warned), warned
+    assert "OMP_NUM_THREADS" not in os.environ, "the launching process's environment is restored"
+    assert "Launching training on" not in capsys.readouterr().out, "no 'N CUDAs' banner on a CPU"
+
+
 THREADS_SCRIPT = """
 import json, sys
 import torch

@@ -83,6 +83,17 @@ def test_committed_notebook_has_no_error_output_and_the_course_structure(nb_path
     assert "assert " in code, f"{nb_path.name} has no check cell asserting its claims"
 
 
+@pytest.mark.parametrize("nb_path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.name)
+def test_committed_outputs_come_from_a_full_mode_run(nb_path):
+    """What a learner sees on GitHub is a real run (`tutorial-lib run-notebooks`), never smoke mode's
+    shrunken sizes: the setup cell's output says `smoke mode: False`, and no output says otherwise."""
+    nb = json.loads(nb_path.read_text())
+    texts = ["".join(o.get("text", "")) for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]
+    modes = [line for text in texts for line in text.splitlines() if line.startswith("smoke mode:")]
+    assert modes, f"{nb_path.name}: no executed setup cell printing the mode (run `tutorial-lib run-notebooks`)"
+    assert all(m.startswith("smoke mode: False") for m in modes), f"{nb_path.name}: outputs from smoke mode: {modes}"
+
+
 # Words of how this course is made, not of what it teaches: a learner reads every line.
 PROCESS_WORDS = re.compile(r"\b(the issue|issues? (asks?|says?)|acceptance|the lead|reviewers?|reviews?|closing note|"
                            r"sessions? (of|time)|tickets?)\b", re.IGNORECASE)

@@ -3,6 +3,7 @@
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #da86ef07
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
@@ -28,14 +29,14 @@ from .core import free_port
 
 # %% auto #0
 __all__ = ['IGNORE_LABEL', 'CHECKPOINT_FORMAT', 'MANIFEST', 'PROGRESS_FILE', 'RUN_LOCK', 'RUN_OUTPUTS', 'WANDB_MODES',
-           'launch_with_timeout', 'MetricsLogger', 'read_metrics', 'format_metrics_table', 'UserInputError',
-           'LaunchError', 'overlapping_copies', 'build_accelerator', 'ClassificationMetrics', 'merge_metrics',
-           'MissingPathError', 'CheckpointError', 'checkpoint_root', 'list_checkpoints', 'incomplete_checkpoints',
-           'latest_checkpoint', 'fsync_path', 'atomic_write_text', 'sha256_file', 'model_signature', 'DiskFullError',
-           'follow_umask', 'save_checkpoint', 'save_final_model', 'verify_checkpoint', 'load_checkpoint',
-           'resolve_resume_path', 'RunFolderError', 'RunLock', 'run_outputs', 'claim_run_folder', 'write_run_config',
-           'cut_metrics', 'NonFiniteLossError', 'NonFiniteGuard', 'StopRequest', 'wandb_api_key_configured',
-           'resolve_wandb_mode', 'start_trackers']
+           'launch_with_timeout', 'launched_threads', 'MetricsLogger', 'read_metrics', 'format_metrics_table',
+           'UserInputError', 'LaunchError', 'overlapping_copies', 'build_accelerator', 'ClassificationMetrics',
+           'merge_metrics', 'MissingPathError', 'CheckpointError', 'checkpoint_root', 'list_checkpoints',
+           'incomplete_checkpoints', 'latest_checkpoint', 'fsync_path', 'atomic_write_text', 'sha256_file',
+           'model_signature', 'DiskFullError', 'follow_umask', 'save_checkpoint', 'save_final_model',
+           'verify_checkpoint', 'load_checkpoint', 'resolve_resume_path', 'RunFolderError', 'RunLock', 'run_outputs',
+           'claim_run_folder', 'write_run_config', 'cut_metrics', 'NonFiniteLossError', 'NonFiniteGuard', 'StopRequest',
+           'wandb_api_key_configured', 'resolve_wandb_mode', 'start_trackers']
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #8f8d11a1
 def launch_with_timeout(fn, args: tuple = (), num_processes: int = 2, timeout: float | None = None,
@@ -61,7 +62,8 @@ def launch_with_timeout(fn, args: tuple = (), num_processes: int = 2, timeout: f
             timer.daemon = True
             timer.start()
         try:
-            notebook_launcher(fn, args, num_processes=num_processes, use_port=str(free_port()))
+            with launched_threads(num_processes), contextlib.redirect_stdout(_WithoutLaunchBanner(sys.stdout)):
+                notebook_launcher(fn, args, num_processes=num_processes, use_port=str(free_port()))
             return
         except Exception:
             if not timed_out.is_set() or attempt == attempts:
@@ -70,6 +72,45 @@ def launch_with_timeout(fn, args: tuple = (), num_processes: int = 2, timeout: f
         finally:
             if timer:
                 timer.cancel()
+
+
+@contextlib.contextmanager
+def launched_threads(num_processes: int):
+    """Give each launched process its share of the physical cores through `OMP_NUM_THREADS`, unless it
+    is set. On a CPU accelerate picks the same number itself, but with a warning in every process's
+    output; torchrun sets 1. The kernel's own variable is restored afterwards."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        yield
+        return
+    import psutil
+
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (psutil.cpu_count(logical=False) or 1) // num_processes))
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_NUM_THREADS", None)
+
+
+class _WithoutLaunchBanner:
+    """stdout without notebook_launcher's "Launching training on N CUDAs." line, which it prints whatever the
+    device (also on a CPU); every other write, the launched processes' included, passes through."""
+
+    def __init__(self, target):
+        self.target, self._drop_newline = target, False
+
+    def write(self, text: str) -> int:
+        if text.startswith("Launching training on "):
+            self._drop_newline = True
+            return len(text)
+        if self._drop_newline and text == "\n":
+            self._drop_newline = False
+            return len(text)
+        self._drop_newline = False
+        return self.target.write(text)
+
+    def __getattr__(self, name):  # flush, fileno, isatty...: the real stream's
+        return getattr(self.target, name)
+
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #00edb7a2
 def _is_main_process(accelerator=None) -> bool:
