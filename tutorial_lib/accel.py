@@ -74,21 +74,15 @@ def launch_with_timeout(fn, args: tuple = (), num_processes: int = 2, timeout: f
                 timer.cancel()
 
 
-@contextlib.contextmanager
 def launched_threads(num_processes: int):
     """Give each launched process its share of the physical cores through `OMP_NUM_THREADS`, unless it
     is set. On a CPU accelerate picks the same number itself, but with a warning in every process's
-    output; torchrun sets 1. The kernel's own variable is restored afterwards."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        yield
-        return
+    output; torchrun sets 1. accelerate's `patch_environment` restores the kernel's own variable."""
     import psutil
+    from accelerate.utils import patch_environment
 
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (psutil.cpu_count(logical=False) or 1) // num_processes))
-    try:
-        yield
-    finally:
-        os.environ.pop("OMP_NUM_THREADS", None)
+    share = max(1, (psutil.cpu_count(logical=False) or 1) // num_processes)
+    return patch_environment(omp_num_threads=os.environ.get("OMP_NUM_THREADS") or share)
 
 
 class _WithoutLaunchBanner:
