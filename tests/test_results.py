@@ -1,5 +1,5 @@
-"""Notebook 09's results chapter: DDP equals one process, checked the way 09 checks it, at 1, 2 and 4 threads
-and under load.
+"""Notebook 09, section 4: DDP equals one process, checked the way 09 checks it, at 1, 2 and 4 threads and
+under load.
 
 09 compares (1) the first optimizer step's gradient of a 2-process DDP run of the training script with the
 1-process run on the same global batch, within the float32 summation-order bound n · u of 02's

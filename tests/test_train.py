@@ -90,7 +90,7 @@ def test_console_script_exits_0_after_a_successful_run(tmp_path):
 
 
 def test_bad_options_are_refused_with_a_message_naming_the_flag(tmp_path):
-    with pytest.raises(ValueError, match="unknown training options"):
+    with pytest.raises(ValueError, match=r"unknown options \['batchsize'\]; see `tutorial-train --help`"):
         default_args(batchsize=8)
     with pytest.raises(ValueError, match="--batch_size"):
         run(tmp_path, "bad", batch_size=0)

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import functools
 import hashlib
+import importlib.util
 import json
 import multiprocessing
 import netrc
@@ -18,6 +20,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -34,9 +37,10 @@ __all__ = ['IGNORE_LABEL', 'CHECKPOINT_FORMAT', 'MANIFEST', 'PROGRESS_FILE', 'RU
            'merge_metrics', 'MissingPathError', 'CheckpointError', 'checkpoint_root', 'list_checkpoints',
            'incomplete_checkpoints', 'latest_checkpoint', 'fsync_path', 'atomic_write_text', 'sha256_file',
            'model_signature', 'DiskFullError', 'follow_umask', 'save_checkpoint', 'save_final_model',
-           'verify_checkpoint', 'load_checkpoint', 'resolve_resume_path', 'RunFolderError', 'RunLock', 'run_outputs',
-           'claim_run_folder', 'write_run_config', 'cut_metrics', 'NonFiniteLossError', 'NonFiniteGuard', 'StopRequest',
-           'wandb_api_key_configured', 'resolve_wandb_mode', 'start_trackers']
+           'verify_checkpoint', 'load_checkpoint', 'resolve_resume_path', 'TrainState', 'resume_state',
+           'RunFolderError', 'RunLock', 'run_outputs', 'check_writable', 'claim_run_folder', 'write_run_config',
+           'cut_metrics', 'NonFiniteLossError', 'NonFiniteGuard', 'StopRequest', 'wandb_api_key_configured',
+           'resolve_wandb_mode', 'check_trackers', 'start_trackers']
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #8f8d11a1
 def launch_with_timeout(fn, args: tuple = (), num_processes: int = 2, timeout: float | None = None,
@@ -672,6 +676,57 @@ def _manifest_run_id(checkpoint: Path) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
 
+# %% ../notebooks/06_accelerate_fundamentals.ipynb #65f2def9
+@dataclasses.dataclass
+class TrainState:
+    """Where a run is, saved as `train_state.json` in every checkpoint next to model and optimizer."""
+
+    epoch: int = 0                 # epoch being trained (the next one after an epoch-end checkpoint)
+    batches_done: int = 0          # micro-batches of `epoch` already consumed by each process
+    global_step: int = 0           # optimizer steps since the start of the run; W&B's step
+    wandb_run_id: str = ""         # the run's id: in every manifest, config.json and W&B
+    partial_train: dict = dataclasses.field(default_factory=dict)  # train metrics of `epoch` before a mid-epoch save
+    nonfinite_skipped: int = 0     # optimizer steps skipped for a NaN/Inf loss (--on_nonfinite_loss skip)
+    nonfinite_in_a_row: int = 0    # ... of them in a row, up to the last step
+    layout: list = dataclasses.field(default_factory=list)  # [processes, batch_size, accumulation] of batches_done
+    skipped_files: int = 0         # unreadable images skipped (--on_bad_file skip), counted each time met
+    bad_files: list = dataclasses.field(default_factory=list)  # ... and their names, each once
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+def resume_state(accelerator, resume: str | None, run_dir: str | os.PathLike, state: TrainState, expect: dict,
+                 layout: list) -> Path | None:
+    """`--resume_from_checkpoint` (a folder or `latest`): restore the checkpoint into the prepared objects and
+    `state`; None when there is none. Refuses another model's (`expect`) and a mid-epoch one saved with another
+    `layout`. Every process calls it; a fresh run gets its id here."""
+    from accelerate.utils import broadcast_object_list
+
+    config = Path(run_dir) / "config.json"  # written by the run this folder belongs to: `latest` resumes only it
+    folder_run = json.loads(config.read_text()).get("run_id") if config.is_file() else None
+    warn = lambda msg: accelerator.print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    path = resolve_resume_path(resume, run_dir, warn=warn, run_id=folder_run)
+    if path is not None:
+        _, progress = load_checkpoint(accelerator, path, expect)  # verified first
+        state.load_state_dict(progress)
+        if state.batches_done and state.layout and list(state.layout) != list(layout):
+            raise CheckpointError(f"{path} was saved mid-epoch with (processes, --batch_size, "
+                                  f"--gradient_accumulation_steps) = {tuple(state.layout)}, not {tuple(layout)}: resume "
+                                  "with the same set-up, or from an epoch-end checkpoint")
+        accelerator.print(f"resumed from {path}: epoch {state.epoch}, {state.batches_done} batches into it, "
+                          f"optimizer step {state.global_step}", flush=True)
+    elif resume == "latest":
+        accelerator.print(f"no checkpoint in {checkpoint_root(run_dir)} yet: starting from scratch", flush=True)
+    if not state.wandb_run_id:
+        state.wandb_run_id = broadcast_object_list([uuid.uuid4().hex[:8]])[0]  # one id for all processes
+    state.layout = list(layout)
+    return path
+
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #f1cd8293
 class RunFolderError(UserInputError):
     """A run folder that holds another run, or that another run is using right now."""
@@ -724,6 +779,18 @@ def run_outputs(run_dir: str | os.PathLike) -> list[str]:
     return found
 
 
+def check_writable(folder: str | os.PathLike, what: str) -> None:
+    """Create `folder` and write a file in it, now rather than after the first epoch; `what` names it in the one-line
+    `UserInputError` (e.g. "--working_directory runs")."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        probe = Path(folder) / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise UserInputError(f"{what} is not writable ({err.strerror or err}); choose a folder you can write to") from None
+
+
 def claim_run_folder(run_dir: str | os.PathLike, fresh: bool, overwrite: bool = False, accelerator=None) -> RunLock | None:
     """Lock `run_dir` for this run. A `fresh` run refuses a folder that holds another run, unless `overwrite`
     moves that run aside first (`<name>.replaced-<time>`, nothing deleted). With an `accelerator`, the main
@@ -774,10 +841,10 @@ def write_run_config(run_dir: str | os.PathLike, config: dict, step: int, watche
     return changes
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #76049e21
-def cut_metrics(path: str | os.PathLike, before_epoch: int) -> dict:
+def cut_metrics(path: str | os.PathLike, before_epoch: int, warn=None) -> dict:
     """Keep the lines of `metrics.jsonl` for epochs before `before_epoch` (a resumed run trains the later ones
     again); drop later lines and unreadable ones (a torn last line after a crash or a full disk). Rewritten
-    atomically; returns what was kept and dropped. Call on the main process."""
+    atomically; returns what was kept and dropped, and says it with `warn`. Call on the main process."""
     path = Path(path)
     kept, later, torn = [], 0, 0
     lines = path.read_text(errors="replace").splitlines() if path.exists() else []
@@ -793,6 +860,8 @@ def cut_metrics(path: str | os.PathLike, before_epoch: int) -> dict:
             later += 1
     if path.exists():
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+    if warn is not None and (later or torn):
+        warn(f"warning: {path.name} cut back to epoch {before_epoch}: {later} later and {torn} unreadable line(s) dropped")
     return {"kept": kept, "dropped_later": later, "dropped_unreadable": torn}
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #5d1ec69d
@@ -905,6 +974,12 @@ class StopRequest:
     def exit_status(self) -> int:
         return 128 + getattr(signal, self.received or "SIGTERM")
 
+    def why(self) -> str:
+        """What the loop adds to its 'stopped at step N' line: the signal and how to continue ('' if none)."""
+        if not self.stopped:
+            return ""
+        return f" ({self.received or 'a signal to another process'}): checkpoint saved, resume with --resume_from_checkpoint latest"
+
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #556d5937
 WANDB_MODES = ("online", "offline", "disabled")
 _WANDB_MODE_ALIASES = {"dryrun": "offline", "run": "online", "shared": "online"}
@@ -940,6 +1015,15 @@ def resolve_wandb_mode() -> str:
     return "online" if wandb_api_key_configured() else "offline"
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #23e2345d
+def check_trackers(log_with: list[str]) -> None:
+    """`--log_with`, before anything starts: 'none' alone, and 'tensorboard' only if the package is installed."""
+    if "none" in log_with and len(log_with) > 1:
+        raise UserInputError(f"--log_with {' '.join(log_with)}: 'none' means no tracker; give it alone")
+    if "tensorboard" in log_with and importlib.util.find_spec("tensorboard") is None:
+        raise UserInputError("--log_with tensorboard needs the tensorboard package: pip install tensorboard "
+                             "(or the project's [tensorboard] extra)")
+
+
 def start_trackers(accelerator, project: str, config: dict, run_id: str, name: str, run_dir: str | os.PathLike) -> str:
     """`accelerator.init_trackers` for the trackers the `Accelerator` was built with: W&B in the mode of
     `resolve_wandb_mode` (never blocks) resuming run `run_id` (a resumed training run continues the same W&B

@@ -27,7 +27,7 @@ __all__ = ['SMOKE_ENV_VAR', 'IMAGENET_TRAIN_IMAGES', 'RECIPE_EPOCHS', 'PEAK_BF16
            'free_port', 'scratch_dir', 'count_training_flops', 'training_time_seconds', 'peak_flops_for', 'mfu',
            'peak_memory_bytes', 'StepTimer', 'global_batch_size', 'environment_report', 'bf16_supported', 'main',
            'accelerate_cli', 'cpu_launch_config', 'read_process_states', 'launch_state_probe', 'number_flag',
-           'OneLineParser', 'HelpFormatter', 'config_path', 'Progress', 'run_notebooks']
+           'OneLineParser', 'HelpFormatter', 'config_path', 'parse_overrides', 'Progress', 'run_notebooks']
 
 # %% ../notebooks/00_introduction.ipynb #a4f4ab1f
 SMOKE_ENV_VAR = "TUTORIAL_SMOKE"
@@ -450,7 +450,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 
 def config_path(name: str) -> Path:
-    """Path of an accelerate config or SLURM script shipped in `tutorial_lib/configs/` (launch commands in 08, 09)."""
+    """Path of an accelerate config or SLURM script shipped in `tutorial_lib/configs/` (launch commands in 08, 12)."""
     from importlib.resources import files
 
     folder = Path(str(files("tutorial_lib") / "configs"))
@@ -459,6 +459,23 @@ def config_path(name: str) -> Path:
         shipped = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
         raise FileNotFoundError(f"no shipped config {name!r}; choose one of {shipped}")
     return path
+
+# %% ../notebooks/00_introduction.ipynb #80c37d6f
+def parse_overrides(parser: argparse.ArgumentParser, **overrides) -> argparse.Namespace:
+    """`parser`'s defaults with `overrides` applied, each value checked by its flag's `type=` as if typed: True
+    is the bare flag, a list gives several values, None and False are set as given. Unknown names are refused."""
+    unknown = sorted(set(overrides) - {action.dest for action in parser._actions})
+    if unknown:
+        raise ValueError(f"unknown options {unknown}; see `{parser.prog} --help`")
+    argv = []
+    for key, value in overrides.items():  # {"cpu": True, "lr_milestones": [30, 60]} -> --cpu --lr_milestones 30 60
+        if value is not None and value is not False:
+            argv += [f"--{key}"] if value is True else [f"--{key}", *map(str, value if isinstance(value, (list, tuple)) else [value])]
+    args = parser.parse_args(argv)
+    for key, value in overrides.items():  # None and False were not passed as flags: set them as given
+        if value is None or value is False:
+            setattr(args, key, value)
+    return args
 
 # %% ../notebooks/00_introduction.ipynb #64f59bb8
 class Progress:

@@ -43,7 +43,7 @@ __all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'IMG_EXTENSIONS', 'VAL_DIR_NAMES', '
            'collate_images', 'build_loaders', 'EpochSeededDataset', 'seeded_subset', 'progressive_resolution',
            'resize_batch', 'list_images', 'benchmark_pipelines', 'run_data_benchmark', 'format_data_benchmark',
            'print_data_benchmark', 'EncodedTransform', 'collate_encoded', 'decode_jpegs_on_cuda',
-           'decode_batch_on_device', 'hub_features', 'plan_shards', 'write_shards', 'RecordDataset',
+           'decode_batch_on_device', 'gather_skips', 'hub_features', 'plan_shards', 'write_shards', 'RecordDataset',
            'load_record_datasets', 'benchmark_records', 'Devkit', 'read_devkit', 'verify_unpacked', 'from_archives',
            'get_args_parser', 'main']
 
@@ -1385,6 +1385,19 @@ def decode_batch_on_device(items: Sequence[Tensor], img_size: int, train: bool, 
         params = sample_crop(h, w, scale) if train else center_crop_params(h, w, img_size)
         out.append(resized_crop_uint8(img, params, img_size))
     return torch.stack(out)
+
+# %% ../notebooks/07_data_pipeline.ipynb #b4682f70
+def gather_skips(accelerator, loaders: Sequence) -> tuple[list[int], list[str]]:
+    """Files each of `loaders` skipped since the last call (`take_skips`), summed over all processes, and the
+    names of those not named before, from every process (each reads its own shard). Every process calls it."""
+    from accelerate.utils import gather_object
+
+    counts, names = [], set()
+    for loader in loaders:
+        n, new = base_dataset(loader).take_skips()
+        counts.append(n)
+        names.update(gather_object(list(new)))
+    return accelerator.reduce(torch.tensor(counts, device=accelerator.device), "sum").tolist(), sorted(names)
 
 # %% ../notebooks/07_data_pipeline.ipynb #7e9b002e
 SHARD_MB = 384  # default shard size: a few hundred files for ImageNet's ~150 GB

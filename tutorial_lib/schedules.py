@@ -11,7 +11,8 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 # %% auto #0
-__all__ = ['SCHEDULES', 'lr_factor', 'build_scheduler', 'lr_curve', 'num_optimizer_steps', 'move_schedule', 'scaled_lr']
+__all__ = ['SCHEDULES', 'lr_factor', 'build_scheduler', 'lr_curve', 'num_optimizer_steps', 'move_schedule', 'resume_with_flags',
+           'scaled_lr']
 
 # %% ../notebooks/05_lr_schedules.ipynb #340e4fc0
 SCHEDULES = ("constant", "step", "multistep", "cosine", "linear", "onecycle")
@@ -116,6 +117,21 @@ def move_schedule(scheduler: LRScheduler, step: int, base_lrs: list[float] | Non
     for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["initial_lr"], group["lr"] = base, base * factor(step)
     scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+
+# %% ../notebooks/05_lr_schedules.ipynb #ed923f95
+def resume_with_flags(optimizer: torch.optim.Optimizer, scheduler: LRScheduler, wanted_groups: list[dict],
+                      step: int) -> bool:
+    """After a checkpoint is loaded: peak LR, momentum and weight decay of each group from `wanted_groups` (the
+    param groups the current flags build), and the schedule at `step`. Returns whether anything changed."""
+    changed = False
+    for group, want in zip(optimizer.param_groups, wanted_groups, strict=True):
+        for key, saved_key in (("lr", "initial_lr"), ("momentum", "momentum"), ("weight_decay", "weight_decay")):
+            changed |= group[saved_key] != want[key]
+            group[saved_key] = want[key]
+    if not changed and step == scheduler.last_epoch:
+        return False  # untouched: the resumed run is exactly the stopped one
+    move_schedule(scheduler, step, [group["initial_lr"] for group in optimizer.param_groups])
+    return True
 
 # %% ../notebooks/05_lr_schedules.ipynb #edb8113e
 def scaled_lr(global_batch_size: int, base_lr: float = 0.1, reference_batch_size: int = 256) -> float:
