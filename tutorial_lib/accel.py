@@ -252,29 +252,35 @@ IGNORE_LABEL = -100  # cross_entropy's ignore_index: the label of a sample to le
 
 
 @functools.cache
-def _loss_and_count_metric() -> type:
-    """The torchmetrics metric of a summed loss and a sample count, defined on first use: importing
-    torchmetrics takes seconds (it imports torchvision and scipy), which a command's `--help` should not pay."""
+def _classification_sums_metric() -> type:
+    """The torchmetrics metric of the sums an epoch needs, defined on first use: importing torchmetrics takes
+    seconds (it imports torchvision and scipy), which a command's `--help` should not pay."""
     import torchmetrics
 
-    class LossAndCount(torchmetrics.Metric):
-        """Summed loss and number of samples as torchmetrics state (summed across processes on sync)."""
+    class ClassificationSums(torchmetrics.Metric):
+        """Summed loss, samples and correct top-1 / top-k predictions as torchmetrics state (summed across
+        processes on sync). One `topk` per batch: the training loop calls `update` on every micro-batch."""
 
         full_state_update = False
 
-        def __init__(self, loss_dtype: torch.dtype = torch.float64, **kwargs):
+        def __init__(self, top_k: int, loss_dtype: torch.dtype = torch.float64, **kwargs):
             super().__init__(**kwargs)
+            self.top_k = top_k
             self.add_state("loss_sum", default=torch.tensor(0.0, dtype=loss_dtype), dist_reduce_fx="sum")
-            self.add_state("count", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+            for name in ("count", "correct1", "correctk"):
+                self.add_state(name, default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
 
-        def update(self, loss: torch.Tensor, n: int) -> None:
+        def update(self, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor) -> None:
+            hits = logits.topk(self.top_k, dim=1).indices == labels[:, None]  # (batch, k): True where the label is
+            self.correct1 += hits[:, 0].sum()
+            self.correctk += hits.any(dim=1).sum()
             self.loss_sum += loss.detach().to(self.loss_sum.device, self.loss_sum.dtype).sum()
-            self.count += n
+            self.count += labels.shape[0]
 
         def compute(self) -> dict:
-            return {"loss_sum": self.loss_sum, "count": self.count}
+            return {"loss_sum": self.loss_sum, "count": self.count, "correct1": self.correct1, "correctk": self.correctk}
 
-    return LossAndCount
+    return ClassificationSums
 
 
 class ClassificationMetrics:
@@ -291,13 +297,8 @@ class ClassificationMetrics:
         self.num_classes = int(num_classes)
         self.device = torch.device(device)
         self.top_k = min(5, self.num_classes)
-        from torchmetrics.classification import MulticlassAccuracy
-
-        kwargs = dict(num_classes=self.num_classes, average="micro", sync_on_compute=sync_on_compute)
-        self.top1 = MulticlassAccuracy(top_k=1, **kwargs).to(self.device)
-        self.top5 = MulticlassAccuracy(top_k=self.top_k, **kwargs).to(self.device)
         loss_dtype = torch.float32 if self.device.type == "mps" else torch.float64   # MPS has no float64
-        self.loss = _loss_and_count_metric()(loss_dtype, sync_on_compute=sync_on_compute).to(self.device)
+        self.sums = _classification_sums_metric()(self.top_k, loss_dtype, sync_on_compute=sync_on_compute).to(self.device)
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor | float | None = None) -> None:
         """Add a batch: `logits` (B, C), `labels` (B,), `loss` per sample (B,) or the batch mean.
@@ -309,8 +310,6 @@ class ClassificationMetrics:
             raise ValueError(f"labels must have shape ({logits.shape[0]},), got {tuple(labels.shape)}")
         logits = logits.detach().float().to(self.device)
         labels = labels.detach().to(self.device)
-        self.top1.update(logits, labels)
-        self.top5.update(logits, labels)
         n = labels.shape[0]
         if loss is None:
             loss = torch.tensor(float("nan"))
@@ -319,7 +318,7 @@ class ClassificationMetrics:
             loss = loss * n
         elif loss.shape != labels.shape:
             raise ValueError(f"loss must be a scalar (batch mean) or have shape ({n},), got {tuple(loss.shape)}")
-        self.loss.update(loss, n)
+        self.sums.update(logits, labels, loss)
 
     def gather_update(self, accelerator, logits: torch.Tensor, labels: torch.Tensor,
                       loss: torch.Tensor | None = None) -> None:
@@ -350,18 +349,16 @@ class ClassificationMetrics:
         """`{"loss", "top1", "top5", "count"}`: mean loss, accuracies in %, samples seen (int)."""
         with warnings.catch_warnings():   # an empty epoch is reported as NaN, not warned about
             warnings.filterwarnings("ignore", message=".*compute.*called before.*update", category=UserWarning)
-            state = self.loss.compute()
-            count = int(state["count"])
-            top1, top5 = float(self.top1.compute()), float(self.top5.compute())
+            state = self.sums.compute()
+        count = int(state["count"])
         if count == 0:
             return {"loss": float("nan"), "top1": float("nan"), "top5": float("nan"), "count": 0}
-        return {"loss": float(state["loss_sum"]) / count, "top1": 100.0 * top1, "top5": 100.0 * top5,
-                "count": count}
+        return {"loss": float(state["loss_sum"]) / count, "top1": 100.0 * int(state["correct1"]) / count,
+                "top5": 100.0 * int(state["correctk"]) / count, "count": count}
 
     def reset(self) -> None:
         """Forget all batches (call at the start of each epoch)."""
-        for metric in (self.top1, self.top5, self.loss):
-            metric.reset()
+        self.sums.reset()
 
 
 def merge_metrics(a: dict, b: dict) -> dict:
