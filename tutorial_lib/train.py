@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from .accumulation import TinyCNN, loss_scale
 from .accel import (
     ClassificationMetrics, MetricsLogger, MissingPathError, NonFiniteGuard, NonFiniteLossError, StopRequest, TrainState,
-    UserInputError, atomic_write_text, build_accelerator, claim_run_folder, cut_metrics, format_metrics_table,
-    check_trackers, check_writable, merge_metrics, model_signature, read_metrics, resolve_resume_path, resume_state, run_outputs, save_checkpoint,
-    save_final_model, start_trackers, write_run_config)
+    UserInputError, atomic_write_text, build_accelerator, check_trackers, check_writable, claim_run_folder, cut_metrics,
+    format_metrics_table, merge_metrics, model_signature, read_metrics, resolve_resume_path, resume_state, run_outputs,
+    save_checkpoint, save_final_model, start_trackers, write_run_config)
 from .core import (
     HelpFormatter, OneLineParser, Progress, StepTimer, count_training_flops, global_batch_size, in_notebook,
     non_negative_float, non_negative_int, number_flag, parse_overrides, peak_flops_for, positive_float, positive_int)
@@ -517,12 +517,12 @@ def check_args(args: argparse.Namespace) -> None:
                            "--resume_from_checkpoint continues it: give one of them")
     if args.zero_init_residual and not args.model.startswith(("resnet", "resnext", "wide_resnet")):
         raise BadFlagError(f"--zero_init_residual is for torchvision's ResNets, not --model {args.model}")
-    with torch.device("meta"):  # the model's layers, shapes only (no weights made): does it normalise over the batch?
-        batchnorm = args.batch_size == 1 and any(isinstance(m, nn.modules.batchnorm._BatchNorm)
-                                                 for m in build_model(args.model, 2).modules())
-    if batchnorm:
-        raise BadFlagError(f"--batch_size 1 with --model {args.model}: BatchNorm normalises over the batch, so one "
-                           "image per process has no batch statistics; use --batch_size 2 or more")
+    if args.batch_size == 1:  # does the model normalise over the batch? (its layers on the meta device: no weights)
+        with torch.device("meta"):
+            layers = build_model(args.model, 2).modules()
+        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in layers):
+            raise BadFlagError(f"--batch_size 1 with --model {args.model}: BatchNorm normalises over the batch, so "
+                               "one image per process has no batch statistics; use --batch_size 2 or more")
     if args.lr_warmup_epochs >= args.epochs:
         raise BadFlagError(f"--lr_warmup_epochs {args.lr_warmup_epochs:g} covers the whole run of {args.epochs} "
                            "epochs; use fewer warmup epochs")
