@@ -318,8 +318,23 @@ def test_parquet_label_out_of_range_is_reported_with_its_real_value(tmp_path):
     with pytest.raises(DataSourceError) as caught:
         build_datasets(parquet_data(tmp_path / "pq", train_rows=rows), img_size=16)
     message = str(caught.value)
-    assert "has 1 labels outside 0…3, e.g. 7 at row 5 of" in message and "-1" not in message, message
+    assert "has 1 labels outside 0…3, e.g. 7 at row 5 of" in message and "no label" not in message, message
     assert "fix the labels or the class names" in message
+
+
+@pytest.mark.slow
+def test_training_script_refuses_a_parquet_label_out_of_range_in_one_line(tmp_path):
+    """The refusal comes after datasets converted the shards: its progress bars (thousands of carriage returns in a
+    log file) are not printed when stderr is not a terminal, so the line comes alone."""
+    rows = rows_of("train")
+    rows[5] = (rows[5][0], rows[5][1], 7)
+    source = parquet_data(tmp_path / "pq", train_rows=rows)
+    done = run_cli(as_flags(dict(model="tinycnn", img_size=16, epochs=1, batch_size=4, num_workers=0, cpu=True,
+                                 log_with="none", disable_progress_bar=True, path_to_data=source,
+                                 working_directory=tmp_path / "runs", experiment_name="label7")), timeout=180)
+    shard = source / "data" / "train-00000-of-00001.parquet"
+    assert_user_error(done, f"{source} [train] has 1 labels outside 0…3, e.g. 7 at row 5 of {shard} (row 5 of {source} "
+                            "[train]): its 4 class names number the labels 0…3: fix the labels or the class names")
 
 
 def test_parquet_row_without_bytes_is_never_read_from_its_path(tmp_path):

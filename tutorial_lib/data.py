@@ -1773,10 +1773,22 @@ def _declared_names(files: Sequence[str]) -> tuple[str, list[str]] | None:
 def _library_lines_held():
     """Hold back what 🤗 datasets and huggingface_hub log while a dataset loads (a damaged file's "Failed to read
     schema", the Hub's "Retrying in 1s"): after a failure the one line that says what to do is all that shows;
-    after a success the held lines are printed as they would have been."""
+    after a success the held lines are printed as they would have been. Their progress bars show on a terminal
+    only, as `_Progress`'s: in a log file they are thousands of carriage returns (unless HF_*_PROGRESS_BARS say)."""
     import logging
 
+    import datasets
+    import huggingface_hub.utils as hub_utils
+
     held: list[logging.LogRecord] = []
+    hide = [] if sys.stderr.isatty() else [
+        (off, on) for variable, shown, off, on in [
+            ("HF_DATASETS_DISABLE_PROGRESS_BARS", not datasets.are_progress_bars_disabled(),
+             datasets.disable_progress_bars, datasets.enable_progress_bars),
+            ("HF_HUB_DISABLE_PROGRESS_BARS", not hub_utils.are_progress_bars_disabled(),
+             hub_utils.disable_progress_bars, hub_utils.enable_progress_bars)] if shown and variable not in os.environ]
+    for off, _ in hide:
+        off()
 
     class Hold(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
@@ -1791,6 +1803,8 @@ def _library_lines_held():
         yield
         loaded = True
     finally:
+        for _, on in hide:
+            on()
         for logger, (handlers, propagate) in zip(loggers, saved):
             logger.handlers, logger.propagate = handlers, propagate
         for record in held if loaded else []:
