@@ -1774,14 +1774,14 @@ def _library_lines_held():
     """Hold back what 🤗 datasets and huggingface_hub log while a dataset loads (a damaged file's "Failed to read
     schema", the Hub's "Retrying in 1s"): after a failure the one line that says what to do is all that shows;
     after a success the held lines are printed as they would have been. Their progress bars show on a terminal
-    only, as `_Progress`'s: in a log file they are thousands of carriage returns (unless HF_*_PROGRESS_BARS say)."""
+    and in a notebook only: in a log file they are thousands of carriage returns (unless HF_*_PROGRESS_BARS say)."""
     import logging
 
     import datasets
     import huggingface_hub.utils as hub_utils
 
     held: list[logging.LogRecord] = []
-    hide = [] if sys.stderr.isatty() else [
+    hide = [] if sys.stderr.isatty() or in_notebook() else [
         (off, on) for variable, shown, off, on in [
             ("HF_DATASETS_DISABLE_PROGRESS_BARS", not datasets.are_progress_bars_disabled(),
              datasets.disable_progress_bars, datasets.enable_progress_bars),
