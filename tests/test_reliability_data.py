@@ -151,17 +151,23 @@ def test_prepare_val_refuses_a_class_folder_that_links_elsewhere(tmp_path, capsy
     assert listing(tmp_path) == before and not list((tmp_path / "elsewhere").iterdir())
 
 
-def test_prepare_val_checks_every_move_before_the_first(tmp_path, capsys):
+@pytest.mark.parametrize("case", ["a file where the last class folder goes", "--out is a file"])
+def test_prepare_val_checks_every_move_before_the_first(tmp_path, capsys, case):
     """A conflict met late (a file where the last class folder goes) refuses the run before any image moves."""
     val = flat_val(tmp_path / "val", 4)
-    (val / "n02").write_text("a note, not a class folder")
     mapping = tmp_path / "labels.txt"
     mapping.write_text("".join(f"ILSVRC2012_val_{k:08d}.JPEG {'n01' if k < 4 else 'n02'}\n" for k in range(1, 5)))
+    if case == "--out is a file":
+        (tmp_path / "sorted").write_text("a note, not a folder")
+        extra, words = ["--link", "--out", str(tmp_path / "sorted")], f"{tmp_path / 'sorted'} is a file, not a folder"
+    else:
+        (val / "n02").write_text("a note, not a class folder")
+        extra, words = [], f"1 class folders are files ({val / 'n02'})"
     before = listing(tmp_path)
-    assert main(["prepare-val", str(val), str(mapping), "--apply"]) == 2
+    assert main(["prepare-val", str(val), str(mapping), "--apply", *extra]) == 2
     line = one_error_line(capsys.readouterr().err)
-    assert "1 class folders are files" in line and "nothing was changed" in line, line
-    assert listing(tmp_path) == before, "no image may have moved"
+    assert words in line and "nothing was changed" in line, line
+    assert listing(tmp_path) == before, "no image may have moved or been linked"
 
 
 def archives_of(folder: Path, wnids=("n01440764", "n02102040"), per_class: int = 2) -> Path:

@@ -447,11 +447,13 @@ def _check_targets(todo: Sequence[tuple[Path, Path]], out: Path, val_dir: Path, 
     problems = [f"{len(items)} {what} ({_examples([str(p) for p in items])})" for items, what in [
         (taken, "targets already exist"), (not_folders, "class folders are files"),
         (links, "class folders are symbolic links, so images would land wherever they point")] if items]
+    if out.exists() and not out.is_dir():
+        problems.append(f"{out} is a file, not a folder")
     probe = out
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     writable = [probe, *sorted({d.parent for _, d in todo if d.parent.is_dir()})] + ([] if link else [val_dir])
-    locked = [str(p) for p in writable if not os.access(p, os.W_OK | os.X_OK)]
+    locked = [str(p) for p in writable if p.is_dir() and not os.access(p, os.W_OK | os.X_OK)]
     if locked:
         problems.append(f"{len(locked)} folders cannot be written ({_examples(locked)})")
     if problems:
