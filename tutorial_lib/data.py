@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import functools
 import gzip
@@ -320,6 +321,22 @@ def _image_stem(name: str) -> str:
     return os.path.splitext(base)[0] if base.lower().endswith(IMG_EXTENSIONS) else base
 
 
+def _class_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a class folder directly inside the target folder, or None if it can. Every class
+    name, from a mapping file, the devkit's meta.mat or a dict, passes this one check before anything moves."""
+    if not name:
+        return "it is empty"
+    if name in {".", ".."} or "/" in name or "\\" in name:
+        return "it is a path, not a folder name, and would place images outside the class folders"
+    if name.startswith("."):
+        return "a name starting with '.' is a hidden folder, which the scan leaves out"
+    if any(ord(char) < 32 for char in name):
+        return "it holds a control character"
+    if len(name.encode()) > 255:
+        return "it is longer than a folder name may be (255 bytes)"
+    return None
+
+
 def _mapping_text(path: Path) -> str:
     """The text of a mapping file: UTF-8 with or without a byte-order mark (as spreadsheets save CSV),
     UTF-16, or gzip-compressed (read as is); other compressed or binary files are refused saying what they are."""
@@ -401,8 +418,8 @@ def read_val_mapping(path: str | os.PathLike) -> dict[str, str]:
             raise ValueError(f"{path}:{lineno}: expected 'filename wnid', got an incomplete line")
         if label.isdigit():
             raise ValueError(f"{path}:{lineno}: label {label!r} is a class number, not a folder name: {_DEVKIT_HINT}")
-        if label in {".", ".."} or "/" in label or "\\" in label:
-            raise ValueError(f"{path}:{lineno}: {label!r} cannot be a class folder name")
+        if _class_name_problem(label):
+            raise ValueError(f"{path}:{lineno}: {label!r} cannot be a class folder name: {_class_name_problem(label)}")
         stem = _image_stem(name)
         if mapping.setdefault(stem, label) != label:
             raise ValueError(f"{path}: {stem} is labelled both {mapping[stem]} and {label}: fix the mapping file")
@@ -415,20 +432,54 @@ def _examples(items: Sequence[str], k: int = 3) -> str:
     return ", ".join(sorted(items)[:k]) + (", …" if len(items) > k else "")
 
 
+def _check_targets(todo: Sequence[tuple[Path, Path]], out: Path, val_dir: Path, link: bool) -> None:
+    """Refuse, before the first move, every move of `todo` that could not be done or would leave `out`: a
+    file already at the target, a class folder that is a file or a link (to anywhere), a folder we cannot write."""
+    taken, not_folders, links = [], set(), set()
+    for _, dst in todo:
+        folder = dst.parent
+        if folder.is_symlink():
+            links.add(folder)
+        elif folder.exists() and not folder.is_dir():
+            not_folders.add(folder)
+        elif dst.exists() or dst.is_symlink():
+            taken.append(str(dst))
+    problems = [f"{len(items)} {what} ({_examples([str(p) for p in items])})" for items, what in [
+        (taken, "targets already exist"), (not_folders, "class folders are files"),
+        (links, "class folders are symbolic links, so images would land wherever they point")] if items]
+    if out.exists() and not out.is_dir():
+        problems.append(f"{out} is a file, not a folder")
+    probe = out
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    writable = [probe, *sorted({d.parent for _, d in todo if d.parent.is_dir()})] + ([] if link else [val_dir])
+    locked = [str(p) for p in writable if p.is_dir() and not os.access(p, os.W_OK | os.X_OK)]
+    if locked:
+        problems.append(f"{len(locked)} folders cannot be written ({_examples(locked)})")
+    if problems:
+        raise DataLayoutError(f"cannot place every image in {out}: {'; '.join(problems)}; nothing was changed: "
+                              "remove or rename them, then run again (nothing is overwritten)")
+
+
 def prepare_val(val_dir: str | os.PathLike, mapping: str | os.PathLike | dict[str, str], apply: bool = False,
                 link: bool = False, out_dir: str | os.PathLike | None = None, log: Callable = print) -> dict:
     """Sort a flat ILSVRC2012 validation folder into `<wnid>/` class folders (07 §2).
 
     Dry run unless `apply`; idempotent; moves (or, with `link`, symlinks into `out_dir`), never
-    deletes; refuses, changing nothing, when the mapping and the files disagree. Returns the counts."""
-    val_dir = Path(val_dir)
+    deletes; checks everything first and refuses, changing nothing, when the mapping and the files
+    disagree, a class name is not a folder name, or a file could not be placed. Returns the counts."""
+    val_dir = Path(val_dir).expanduser()
     if val_dir.is_file():
         raise NotADirectoryError(f"{val_dir} is a file, not the validation folder: the arguments are VAL_DIR MAPPING, "
                                  "in that order")
     if not val_dir.is_dir():
         raise FileNotFoundError(f"validation folder {val_dir} does not exist: pass the folder of ILSVRC2012_val_*.JPEG files")
     labels = mapping if isinstance(mapping, dict) else read_val_mapping(mapping)
-    out = Path(out_dir) if out_dir is not None else val_dir
+    out = Path(out_dir).expanduser() if out_dir is not None else val_dir
+    unusable = sorted({label for label in labels.values() if _class_name_problem(label)})
+    if unusable:  # a dict, or any future source: the same check as a mapping file's lines and the devkit's names
+        raise DataLayoutError(f"the mapping names {len(unusable)} classes that cannot be folders of {out} (e.g. "
+                              f"{unusable[0]!r}: {_class_name_problem(unusable[0])}); nothing was changed")
     if link and out.resolve() == val_dir.resolve():
         raise ValueError("--link keeps the original files where they are, so it needs --out DIR, a separate folder "
                          "for the class folders")
@@ -477,8 +528,9 @@ def prepare_val(val_dir: str | os.PathLike, mapping: str | os.PathLike | dict[st
     if not apply:
         log("dry run: nothing changed (run again with --apply to do it)")
         return counts
+    _check_targets(todo, out, val_dir, link)  # every move first, so that a refusal changes nothing
     for src, dst in todo:
-        if dst.exists() or dst.is_symlink():
+        if dst.exists() or dst.is_symlink():  # appeared since the check
             raise DataLayoutError(f"{dst} already exists: remove or rename it, then run again (nothing is overwritten)")
         dst.parent.mkdir(parents=True, exist_ok=True)
         if link:
@@ -1612,13 +1664,18 @@ class RecordDataset(ImageFolderDataset):
         feature = records.features[self.label_column]
         self.classes = list(feature.names) if isinstance(feature, ClassLabel) else [
             str(k) for k in range(int(labels.max(initial=-1)) + 1)]
-        if len(labels) and (labels.min() < 0 or labels.max() >= len(self.classes)):
-            raise DataSourceError(f"{name} has labels outside 0…{len(self.classes) - 1} (e.g. -1: no label, as in the "
-                                  "Hub's test split): train and validate on labelled splits only")
-        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
-        self.samples, self.targets = _RowSamples(labels), labels.tolist()
         self._files = [f for f, _ in files]
         self._starts = np.cumsum([0] + [n for _, n in files])[:-1].tolist()
+        outside = np.flatnonzero((labels < 0) | (labels >= len(self.classes)))
+        if len(outside):  # named by the first such row, with its real value
+            row, value = int(outside[0]), int(labels[outside[0]])
+            advice = ("-1 means no label, as in the Hub's test split: train and validate on labelled splits only"
+                      if value == -1 else f"its {len(self.classes)} class names number the labels 0…"
+                      f"{len(self.classes) - 1}: fix the labels or the class names")
+            raise DataSourceError(f"{name} has {len(outside)} labels outside 0…{len(self.classes) - 1}, e.g. {value} at "
+                                  f"{self.describe(row)}: {advice}")
+        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+        self.samples, self.targets = _RowSamples(labels), labels.tolist()
         self._init_skips(len(labels))
 
     def describe(self, row: int, path: str | None = None) -> str:
@@ -1631,18 +1688,22 @@ class RecordDataset(ImageFolderDataset):
 
     def name(self, index: int) -> str:
         """How errors and reports name record `index`: its image's name, its file and its row."""
-        return self.describe(index, self.records[index][self.image_column].get("path"))
+        return self.describe(index, (self.records[index][self.image_column] or {}).get("path"))
 
     def load(self, row: int) -> Tensor:
-        """Decode and transform the image of one record."""
-        image = self.records[row][self.image_column]
+        """Decode and transform the image of one record: from its bytes only, never from a path it names."""
+        image = self.records[row][self.image_column] or {}
         name = self.describe(row, image.get("path"))
+        data = image.get("bytes")
+        if data is None:  # a path alone would open whatever file it names on this machine
+            raise UnreadableImageError(f"cannot read image {name}: the record holds no image bytes, and records are "
+                                       "read from their bytes only (never from a path); write the shards with the "
+                                       "images in them, or build the datasets with on_bad_file='skip'")
         try:
-            data = image["bytes"] if image["bytes"] is not None else Path(image["path"] or "").read_bytes()
             if self.pipeline == "classic":
                 return self.transform(_pil_rgb_from_bytes(data, name))
             return self.transform(torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()), name)
-        except OSError as err:  # UnreadableImageError included; a missing external file too
+        except OSError as err:  # UnreadableImageError included
             cause = err.__cause__ if isinstance(err, UnreadableImageError) and err.__cause__ is not None else err
             reason = _reason(_bomb_reason(cause) if isinstance(cause, Image.DecompressionBombError) else cause)
             raise UnreadableImageError(f"cannot decode image {name}: {reason}; replace that file with an intact copy, "
@@ -1664,6 +1725,105 @@ def _row_files(records, parquet_files: Sequence[str] | None = None) -> list[tupl
     return files if sum(n for _, n in files) == len(records) else []
 
 
+def _names_differ(train: Sequence[str], val: Sequence[str], val_split: str) -> str | None:
+    """How the class names of the validation split differ from training's, or None when they are the same list."""
+    if list(train) == list(val):
+        return None
+    if sorted(train) == sorted(val):
+        k = next(k for k, (a, b) in enumerate(zip(train, val)) if a != b)
+        return (f"the same {len(train)} class names in another order (label {k} is {train[k]!r} in train, "
+                f"{val[k]!r} in {val_split})")
+    only_train, only_val = sorted(set(train) - set(val)), sorted(set(val) - set(train))
+    return (f"other class names ({len(train)} in train, {len(val)} in {val_split}; only in train: {only_train[:3]}, "
+            f"only in {val_split}: {only_val[:3]})")
+
+
+def _declared_names(files: Sequence[str]) -> tuple[str, list[str]] | None:
+    """(file, class names) that a split's own parquet files declare (the `ClassLabel` in each file's schema
+    metadata), checked to be the same in every file; None when no file declares any. Reads the files' footers only.
+
+    🤗 datasets hands every split the features of the first train file, so a validation split's own names
+    are visible only here (07 §9)."""
+    import datasets
+    import pyarrow.parquet as pq
+
+    declared = None
+    for file in files:
+        try:
+            schema = pq.read_schema(file)
+        except (OSError, ValueError) as err:  # pyarrow.ArrowInvalid is a ValueError
+            raise DataSourceError(f"cannot read the parquet file {file} ({_reason(err)}): replace it with an intact "
+                                  "copy") from None
+        try:
+            features = datasets.Features.from_arrow_schema(schema)
+        except (ValueError, KeyError, TypeError) as err:
+            raise DataSourceError(f"cannot read the features that {file} declares in its schema ({_reason(err)}): "
+                                  "replace it with an intact copy") from None
+        labels = [f for f in features.values() if isinstance(f, datasets.ClassLabel)]
+        if not labels:
+            continue
+        if declared is None:
+            declared = (str(file), list(labels[0].names))
+        elif list(labels[0].names) != declared[1]:
+            raise DataLayoutError(f"{file} and {declared[0]}, shards of one split, declare "
+                                  f"{_names_differ(declared[1], labels[0].names, 'the other')}: write the split's "
+                                  "shards with one list of class names")
+    return declared
+
+
+@contextlib.contextmanager
+def _library_lines_held():
+    """Hold back what 🤗 datasets and huggingface_hub log while a dataset loads (a damaged file's "Failed to read
+    schema", the Hub's "Retrying in 1s"): after a failure the one line that says what to do is all that shows;
+    after a success the held lines are printed as they would have been. Their progress bars show on a terminal
+    and in a notebook only: in a log file they are thousands of carriage returns (unless HF_*_PROGRESS_BARS say)."""
+    import logging
+
+    import datasets
+    import huggingface_hub.utils as hub_utils
+
+    held: list[logging.LogRecord] = []
+    hide = [] if sys.stderr.isatty() or in_notebook() else [
+        (off, on) for variable, shown, off, on in [
+            ("HF_DATASETS_DISABLE_PROGRESS_BARS", not datasets.are_progress_bars_disabled(),
+             datasets.disable_progress_bars, datasets.enable_progress_bars),
+            ("HF_HUB_DISABLE_PROGRESS_BARS", not hub_utils.are_progress_bars_disabled(),
+             hub_utils.disable_progress_bars, hub_utils.enable_progress_bars)] if shown and variable not in os.environ]
+    for off, _ in hide:
+        off()
+
+    class Hold(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            held.append(record)
+
+    loggers = [logging.getLogger(name) for name in ("datasets", "huggingface_hub")]
+    saved = [(logger.handlers[:], logger.propagate) for logger in loggers]
+    for logger in loggers:
+        logger.handlers, logger.propagate = [Hold()], False
+    loaded = False
+    try:
+        yield
+        loaded = True
+    finally:
+        for _, on in hide:
+            on()
+        for logger, (handlers, propagate) in zip(loggers, saved):
+            logger.handlers, logger.propagate = handlers, propagate
+        for record in held if loaded else []:
+            logging.getLogger(record.name).handle(record)
+
+
+def _load_splits(source: DataSource, cache_dir: str | None):
+    """The `DatasetDict` of a parquet, `save_to_disk` or Hub source, as 🤗 datasets loads it."""
+    import datasets
+
+    if source.kind == "saved":
+        return datasets.load_from_disk(source.location)
+    if source.kind == "parquet":
+        return datasets.load_dataset("parquet", data_files=source.files, cache_dir=cache_dir)
+    return datasets.load_dataset(source.location, cache_dir=cache_dir)
+
+
 def load_record_datasets(source: str | os.PathLike | DataSource, train_transform: Callable, val_transform: Callable,
                          pipeline: str = "fast", on_bad_file: str = "raise", cache_dir: str | None = None
                          ) -> tuple[RecordDataset, RecordDataset]:
@@ -1677,13 +1837,15 @@ def load_record_datasets(source: str | os.PathLike | DataSource, train_transform
     require_datasets(source.location)
     import datasets
 
+    if source.kind == "parquet":  # each split's own class names, before any row is converted
+        train_names, val_names = (_declared_names(source.files[split]) for split in ("train", "validation"))
+        differ = train_names and val_names and _names_differ(train_names[1], val_names[1], "validation")
+        if differ:
+            raise DataLayoutError(f"{source.location}: the validation shards declare {differ}, in {val_names[0]}: labels "
+                                  "would not mean the same class; write both splits with one list of class names")
     try:
-        if source.kind == "saved":
-            splits = datasets.load_from_disk(source.location)
-        elif source.kind == "parquet":
-            splits = datasets.load_dataset("parquet", data_files=source.files, cache_dir=cache_dir)
-        else:
-            splits = datasets.load_dataset(source.location, cache_dir=cache_dir)
+        with _library_lines_held():
+            splits = _load_splits(source, cache_dir)
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as err:
         hint = ("" if source.kind != "hub" else " (it is not a local folder either); check the id and the network, "
                 "and for a gated dataset such as ILSVRC/imagenet-1k accept its terms on its Hub page and log in "
@@ -1697,9 +1859,10 @@ def load_record_datasets(source: str | os.PathLike | DataSource, train_transform
                           _row_files(splits["train"], files.get("train")))
     val = RecordDataset(splits[val_split], val_transform, pipeline, on_bad_file, f"{source.location} [{val_split}]",
                         _row_files(splits[val_split], files.get("validation")), replace_bad=False)
-    if train.classes != val.classes:
-        raise DataLayoutError(f"{source.location}: the train and {val_split} splits have different class names "
-                              f"({len(train.classes)} and {len(val.classes)}): labels would not mean the same class")
+    differ = _names_differ(train.classes, val.classes, val_split)
+    if differ:
+        raise DataLayoutError(f"{source.location}: the train and {val_split} splits have {differ}: labels would not "
+                              "mean the same class")
     return train, val
 
 # %% ../notebooks/07_data_pipeline.ipynb #390ebe1f
@@ -1791,6 +1954,17 @@ def read_devkit(path: str | os.PathLike) -> Devkit:
     if sorted(by_id) != list(range(1, len(leaves) + 1)):
         raise DataLayoutError(f"{path}: the classes of meta.mat are not numbered 1…{len(leaves)}")
     wnids = [str(by_id[k]["WNID"]) for k in range(1, len(leaves) + 1)]
+    for k, wnid in enumerate(wnids, start=1):  # they become folder names: the check every class name passes (§2)
+        if _class_name_problem(wnid):
+            raise DataLayoutError(f"{path}: meta.mat names class {k} {wnid!r}, which cannot be a class folder name "
+                                  f"({_class_name_problem(wnid)}): this is not a usable devkit, download it again")
+        if wnids.index(wnid) != k - 1:
+            raise DataLayoutError(f"{path}: meta.mat names classes {wnids.index(wnid) + 1} and {k} both {wnid}: this "
+                                  "is not a usable devkit, download it again")
+    if not all(t.isdigit() and 1 <= int(t) <= len(wnids) for t in truth):
+        bad = next(t for t in truth if not (t.isdigit() and 1 <= int(t) <= len(wnids)))
+        raise DataLayoutError(f"{path}: the validation ground truth holds {bad!r}, not a class number 1…{len(wnids)}: "
+                              "this is not a usable devkit, download it again")
     digest = hashlib.md5(path.read_bytes()).hexdigest() if path.is_file() else None
     return Devkit(wnids=wnids, words={str(s["WNID"]): str(s["words"]) for s in leaves},
                   train_counts={str(s["WNID"]): int(s["num_train_images"]) for s in leaves},
@@ -1803,6 +1977,7 @@ _VAL_NAME = re.compile(r"^ILSVRC2012_val_(\d{8})\.JPEG$")
 def _copy_member(tar, member, dst: Path) -> None:
     """Write one archive member to `dst` (via a hidden temporary name, so a file under its final name is complete)."""
     part = dst.with_name(f".{dst.name}.part")
+    part.unlink(missing_ok=True)  # a leftover, perhaps a link: never written through
     with tar.extractfile(member) as src, open(part, "wb") as out:
         shutil.copyfileobj(src, out, 1 << 20)
     os.replace(part, dst)
@@ -1820,6 +1995,25 @@ def _unpack_class(train_tar, member, folder: Path) -> int:
                 _copy_member(inner, m, folder / name)
                 count += 1
     return count
+
+
+def _remove_leftover(path: Path) -> None:
+    """Remove what an interrupted run left (`.tmp-*`): a link or a file is unlinked (never followed), a folder deleted."""
+    try:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink()
+        else:
+            shutil.rmtree(path)
+    except OSError as err:
+        raise DataLayoutError(f"cannot remove {path}, left by an interrupted run ({_reason(err)}): remove it by hand, "
+                              "then run the same command again") from None
+
+
+def _own_file(path: Path, top: Path) -> bool:
+    """`path` is a file reached from `top` through no symbolic link (a resumed run keeps only what it wrote itself)."""
+    chain = [path, *path.parents]
+    chain = chain[:chain.index(top) + 1] if top in chain else chain
+    return path.is_file() and not any(p.is_symlink() for p in chain)
 
 
 def verify_unpacked(out_dir: str | os.PathLike, devkit: Devkit) -> dict:
@@ -1901,7 +2095,7 @@ def _unpack_archives(paths: dict[str, Path], devkit: Devkit, out: Path, log: Cal
             raise DataLayoutError(f"{train_dir} holds folders that are not classes of these archives ({foreign[:3]}): "
                                   "choose an empty output folder")
         done = {w for w in classes if (train_dir / w).is_dir()}
-        val_left = [] if val_dir.is_dir() else [m for m in val_members if not val_dst[m.name].is_file()]
+        val_left = [] if val_dir.is_dir() else [m for m in val_members if not _own_file(val_dst[m.name], val_tmp)]
         to_read = sum(class_tars[w].size for w in classes if w not in done) + sum(m.size for m in val_left)
         files_left = sum(devkit.train_counts[w] for w in classes if w not in done) + len(val_left)
         needed = to_read + 4096 * files_left  # the images, plus up to one file-system block per file
@@ -1913,7 +2107,7 @@ def _unpack_archives(paths: dict[str, Path], devkit: Devkit, out: Path, log: Cal
         progress = _Progress(to_read, "from-archives", progress_interval)
         train_dir.mkdir(parents=True, exist_ok=True)
         for leftover in train_dir.glob(".tmp-*"):  # a class an interrupted run was unpacking: redone
-            shutil.rmtree(leftover)
+            _remove_leftover(leftover)
         for wnid in classes:
             if wnid in done:
                 continue
@@ -1927,8 +2121,10 @@ def _unpack_archives(paths: dict[str, Path], devkit: Devkit, out: Path, log: Cal
             progress.update(class_tars[wnid].size)
         # 3. val: sorted into .tmp-val/<wnid>/, renamed to val/ when every image is in place
         if not val_dir.is_dir():
-            for wnid in classes:
-                (val_tmp / wnid).mkdir(parents=True, exist_ok=True)
+            for folder in [val_tmp, *(val_tmp / wnid for wnid in classes)]:
+                if folder.is_symlink() or (folder.exists() and not folder.is_dir()):  # not what a run of ours left
+                    _remove_leftover(folder)
+                folder.mkdir(exist_ok=True)
             for m in val_left:
                 _copy_member(val_tar, m, val_dst[m.name])
                 progress.update(m.size)
@@ -1978,6 +2174,9 @@ def get_args_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m tutorial_lib.data`; returns the exit status."""
     args = get_args_parser().parse_args(argv)
+    for key in ("val_dir", "mapping", "out", "src", "archive_dir", "data_dir"):  # "~/imagenet", quoted: as the shell would
+        if getattr(args, key, None):
+            setattr(args, key, os.path.expanduser(getattr(args, key)))
     try:
         if args.command == "prepare-val":
             prepare_val(args.val_dir, args.mapping, apply=args.apply, link=args.link, out_dir=args.out)
