@@ -251,6 +251,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'tutorial_lib.bench.torchvision_model': ( 'performance.html#torchvision_model',
                                                                               'tutorial_lib/bench.py')},
             'tutorial_lib.core': { 'tutorial_lib.core.HelpFormatter': ('introduction.html#helpformatter', 'tutorial_lib/core.py'),
+                                   'tutorial_lib.core.HelpFormatter._get_help_string': ( 'introduction.html#helpformatter._get_help_string',
+                                                                                         'tutorial_lib/core.py'),
                                    'tutorial_lib.core.OneLineParser': ('introduction.html#onelineparser', 'tutorial_lib/core.py'),
                                    'tutorial_lib.core.OneLineParser.__init__': ( 'introduction.html#onelineparser.__init__',
                                                                                  'tutorial_lib/core.py'),
