@@ -12,6 +12,7 @@ import statistics
 import sys
 import tempfile
 import time
+from importlib.resources import files
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -377,7 +378,8 @@ def jpeg_batches(folder: str | os.PathLike, pipeline: str, length: int, batch_si
         shutil.rmtree(tmp, ignore_errors=True)
 
 # %% ../notebooks/10_performance.ipynb #722cfe38
-DEFAULT_JPEG_DIR = "../shared/data/imagenet-sample-100"
+# the embedded CIFAR-10 training JPEGs, inside the package; for ImageNet-sized decoding give a folder of ImageNet photos
+DEFAULT_JPEG_DIR = str(files("tutorial_lib") / "assets" / "cifar10_small" / "train")
 GPU_DEFAULTS = dict(arch="resnet50", img_size=224, batch_size=256, windows=5, steps_per_window=10,
                     warmup_steps=10, num_classes=1000, budget_s=480.0)
 DRY_RUN = dict(arch="resnet18", img_size=64, batch_size=4, windows=2, steps_per_window=1, warmup_steps=1,
@@ -610,7 +612,8 @@ def get_args_parser() -> argparse.ArgumentParser:
                           "H200 989, A100 312)")
     gpu.add_argument("--data_dir", default=DEFAULT_JPEG_DIR,
                      help="folder of JPEG files (any layout) for the end-to-end rows; a relative path starts at the "
-                          "folder you run the command in (meant: the repository root)")
+                          "folder you run the command in (default: the package's embedded CIFAR-10 training JPEGs, "
+                          "32 px; give a folder of ImageNet photos to time ImageNet-sized decoding)")
     gpu.add_argument("--no_e2e", action="store_true", help="synthetic rows only")
     gpu.add_argument("--workers", type=non_negative_int, default=argparse.SUPPRESS,
                      help="CPU DataLoader workers (default: the CPUs this process may use, minus one)")
