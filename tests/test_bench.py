@@ -18,7 +18,8 @@ import torchvision
 
 from tutorial_lib.bench import (DRY_RUN, RepeatDataset, alternate, build_synthetic_run, format_gpu_table, jpeg_batches,
                                 jpeg_files_and_labels, linked_image_folder, make_bare_step, measure_steps,
-                                median_throughput, overhead_ratio, run_gpu_benchmark, run_loop_benchmark, time_windows)
+                                median_interval, median_throughput, overhead_ratio, paired_ratios, run_gpu_benchmark,
+                                run_loop_benchmark, time_windows)
 from tutorial_lib.core import StepTimer, count_training_flops, mfu, peak_flops_for, peak_memory_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,6 +211,25 @@ def test_alternate_flips_the_order_every_round_and_times_each_run():
 def test_overhead_ratio_detects_a_ten_percent_slower_loop(clock):
     runs = {"ours": lambda n: clock.advance(0.011 * n), "bare": lambda n: clock.advance(0.010 * n)}
     assert overhead_ratio(alternate(runs, rounds=5, steps=2)) == pytest.approx(1.1)
+
+
+def test_paired_ratios_pair_each_round_of_one_loop_with_the_same_round_of_the_other(clock):
+    runs = {"ours": lambda n: clock.advance(0.011 * n), "bare": lambda n: clock.advance(0.010 * n)}
+    times = alternate(runs, rounds=4, steps=2)
+    assert paired_ratios(times) == pytest.approx([1.1] * 4)
+    assert paired_ratios({"ours": [2.0, 3.0], "bare": [1.0, 6.0]}) == [2.0, 0.5]
+
+
+def test_median_interval_uses_order_statistics_and_covers_the_median_at_least_as_often_as_asked():
+    import random
+    assert median_interval(list(range(16))) == (3, 12)  # P(Binomial(16, 1/2) <= 3) = 0.011 <= 0.025 < P(<= 4)
+    assert median_interval([5, 1, 4, 2, 6, 3]) == (1, 6)  # 6 values: only min and max give >= 95 %
+    with pytest.raises(ValueError, match="too few"):
+        median_interval([1.0, 2.0, 3.0, 4.0, 5.0])
+    rng = random.Random(0)
+    trials = 2000
+    covered = sum(lo <= 0.0 <= hi for lo, hi in (median_interval([rng.gauss(0, 1) for _ in range(40)]) for _ in range(trials)))
+    assert covered / trials >= 0.94  # its exact coverage for 40 values is 96.2 %
 
 
 @pytest.mark.slow

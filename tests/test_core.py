@@ -212,3 +212,46 @@ def test_run_notebooks_leaves_files_alone_in_smoke_mode_and_writes_full_mode_out
     assert path.read_text() == before, "smoke mode only checks that the notebook runs"
     assert run_notebooks([path], clean=False)["demo.ipynb"] > 0
     assert nbformat.read(path, as_version=4).cells[0].outputs[0]["text"].strip() == "smoke mode: False"
+
+
+def option_help_blocks(help_text: str) -> dict[str, str]:
+    """`--flag` -> its line of `--help` with the wrapped lines of its help joined (one block per option)."""
+    import re
+
+    blocks = {}
+    for block in re.split(r"\n(?=  -)", help_text):
+        block = " ".join(block.split())
+        if block.startswith("-"):
+            blocks[block.split()[0].rstrip(",")] = block
+    return blocks
+
+
+def test_training_script_help_prints_one_default_per_flag():
+    """A flag whose default is computed says it in words, `(default: --img_size)`; argparse must not add its own
+    `(default: None)` after that, and a help text must not give a second default in another form."""
+    import argparse
+
+    from tutorial_lib.train import get_args_parser
+
+    parser = get_args_parser()
+    blocks = option_help_blocks(parser.format_help())
+    options = [a.option_strings[-1] for a in parser._actions
+               if a.option_strings and a.help != argparse.SUPPRESS and a.dest != "help"]
+    assert options and set(options) <= set(blocks), sorted(set(options) - set(blocks))
+    not_once = {o: blocks[o] for o in options if blocks[o].count("default:") != 1}
+    assert not not_once, f"each flag's help must give exactly one default: {not_once}"
+    assert "(default: --img_size)" in blocks["--val_img_size"] and "(default: looked up" in blocks["--peak_tflops"]
+    assert "(default: --lr_base x global batch" in blocks["--learning_rate"]
+
+
+def test_help_formatter_keeps_a_default_said_in_words_and_adds_the_others():
+    import argparse
+
+    from tutorial_lib.core import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="demo", formatter_class=HelpFormatter)
+    parser.add_argument("--size", type=int, default=None, help="evaluation size (default: --train_size)")
+    parser.add_argument("--epochs", type=int, default=90, help="passes over the data")
+    blocks = option_help_blocks(parser.format_help())
+    assert blocks["--size"].endswith("evaluation size (default: --train_size)"), blocks["--size"]
+    assert blocks["--epochs"].endswith("passes over the data (default: 90)"), blocks["--epochs"]

@@ -89,3 +89,65 @@ def test_with_torch_in_place_no_requirement_pulls_cuda_packages():
             todo.append((req.name, set(req.extras)))
     assert len(seen) > 20, "the walk should reach the project's dependencies"
     assert not cuda, f"these would pull CUDA: {cuda}"
+
+
+# --- the library is self-contained: every path it names is inside the repository ---------------------------
+
+def library_strings() -> list[tuple[str, int, str]]:
+    """(module, line, text) of every string literal in the library's modules, docstrings included."""
+    import ast
+
+    found = []
+    for module in sorted((ROOT / "tutorial_lib").glob("*.py")):
+        for node in ast.walk(ast.parse(module.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                found.append((module.name, node.lineno, node.value))
+    return found
+
+
+def names_a_path_outside(text: str) -> bool:
+    """A relative path that climbs out of where it starts (`../x`), or the shared folder beside a checkout."""
+    import re
+
+    return bool(re.search(r"(^|[\s`'\"(=])\.\./", text) or re.search(r"(^|/)shared/data\b", text))
+
+
+def command_line_defaults() -> dict[str, object]:
+    """`prog --flag` -> default, for every flag of every command line the library ships (subcommands included)."""
+    import argparse
+
+    from tutorial_lib import bench, data, stress, train
+
+    parsers = [train.get_args_parser(), bench.get_args_parser(), stress.get_args_parser(), data.get_args_parser()]
+    defaults = {}
+    while parsers:
+        parser = parsers.pop()
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers += list(action.choices.values())
+            elif action.option_strings and action.default not in (None, argparse.SUPPRESS):
+                defaults[f"{parser.prog} {action.option_strings[-1]}"] = action.default
+    return defaults
+
+
+def test_the_outside_path_check_finds_what_it_should():
+    assert names_a_path_outside("../shared/data/imagenet-sample-100") and names_a_path_outside('Path("../data")')
+    assert names_a_path_outside("/work/shared/data/imagenet")
+    assert not names_a_path_outside("tutorial_lib/assets/cifar10_small") and not names_a_path_outside("a/b/../c is odd")
+    assert not names_a_path_outside("ILSVRC/imagenet-1k") and not names_a_path_outside("sharded/data")
+
+
+def test_the_library_names_no_path_outside_the_repository():
+    """A default such as `../shared/data/...` works only where the course was written: the library names paths
+    inside the repository or the package, and every path-valued default of its command lines resolves there."""
+    import tutorial_lib
+
+    outside = [(module, line, text[:80]) for module, line, text in library_strings() if names_a_path_outside(text)]
+    assert not outside, f"paths outside the repository in the library: {outside}"
+    package = Path(tutorial_lib.__file__).resolve().parent
+    defaults = {flag: value for flag, value in command_line_defaults().items() if isinstance(value, str) and "/" in value}
+    assert any("--data_dir" in flag for flag in defaults), "bench gpu's --data_dir default is a path"
+    for flag, value in defaults.items():
+        resolved = (ROOT / value).resolve()
+        assert resolved.is_relative_to(ROOT) or resolved.is_relative_to(package), f"{flag} defaults to {value}, outside"
+        assert resolved.exists(), f"{flag} defaults to {value}, which does not exist in a fresh clone"

@@ -40,7 +40,7 @@ __all__ = ['IGNORE_LABEL', 'CHECKPOINT_FORMAT', 'MANIFEST', 'PROGRESS_FILE', 'RU
            'verify_checkpoint', 'load_checkpoint', 'resolve_resume_path', 'TrainState', 'resume_state',
            'RunFolderError', 'RunLock', 'run_outputs', 'check_writable', 'claim_run_folder', 'write_run_config',
            'cut_metrics', 'NonFiniteLossError', 'NonFiniteGuard', 'StopRequest', 'wandb_api_key_configured',
-           'resolve_wandb_mode', 'check_trackers', 'start_trackers']
+           'resolve_wandb_mode', 'check_trackers', 'start_trackers', 'read_wandb_offline_run']
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #8f8d11a1
 def launch_with_timeout(fn, args: tuple = (), num_processes: int = 2, timeout: float | None = None,
@@ -1037,3 +1037,70 @@ def start_trackers(accelerator, project: str, config: dict, run_id: str, name: s
     accelerator.init_trackers(project, config=plain, init_kwargs={"wandb": {
         "id": run_id, "resume": "allow", "name": name, "dir": str(run_dir), "mode": mode}})
     return mode
+
+# %% ../notebooks/06_accelerate_fundamentals.ipynb #e49114a3
+def read_wandb_offline_run(folder: str | os.PathLike, timeout: float = 0.0) -> dict:
+    """What an offline W&B run folder (`<run>/wandb/offline-run-*`) recorded: its run id, project, name and config,
+    every logged row (`history`, with `_step`), the final `summary`, and whether the run `finished`, read from its
+    `run-<id>.wandb` file without W&B's server (06). W&B writes that file from a separate process, a moment after
+    `finish()` returns: `timeout` waits up to that many seconds for the run's exit record. A file still being
+    written is read up to its last complete record."""
+    deadline = time.monotonic() + timeout
+    while True:
+        run = _read_wandb_file(folder)
+        if run["finished"] or time.monotonic() >= deadline:
+            return run
+        time.sleep(0.05)
+
+
+def _read_wandb_file(folder: str | os.PathLike) -> dict:
+    import struct
+    import zlib
+
+    from wandb.proto import wandb_internal_pb2
+
+    files = sorted(Path(folder).glob("run-*.wandb"))
+    if len(files) != 1:
+        raise FileNotFoundError(f"{folder} holds {len(files)} run-*.wandb files, not one: give an offline-run-* folder")
+    data = files[0].read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{files[0]} is not a W&B run file (it does not start with ':W&B')")
+    block, header = 32768, 7  # LevelDB's log format: 32 KiB blocks; a record: CRC-32, length, type, then its bytes
+    run = {"run_id": "", "project": "", "name": "", "config": {}, "history": [], "summary": {}, "finished": False}
+
+    def items(updates) -> dict:
+        return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in updates}
+
+    pos, pending = header, b""  # the file starts with a 7-byte header (':W&B', a magic number, a version)
+    while pos + header <= len(data):
+        if block - pos % block < header:  # too little room left in the block for a record: padding
+            pos += block - pos % block
+            continue
+        checksum, length, kind = struct.unpack("<IHB", data[pos:pos + header])
+        if kind == 0 or pos + header + length > len(data):
+            break  # zero padding, or a record still being written
+        chunk = data[pos + header:pos + header + length]
+        if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != checksum:
+            raise ValueError(f"{files[0]} is damaged at byte {pos}: checksum mismatch")
+        pos, pending = pos + header + length, pending + chunk
+        if kind in (2, 3):  # the first or a middle part of a long record: the rest follows
+            continue
+        record, pending = wandb_internal_pb2.Record.FromString(pending), b""
+        what = record.WhichOneof("record_type")
+        if what == "run":
+            run.update(run_id=record.run.run_id, project=record.run.project, name=record.run.display_name)
+            run["config"].update(items(record.run.config.update))
+        elif what == "config":
+            run["config"].update(items(record.config.update))
+        elif what == "history":
+            run["history"].append(items(record.history.item))
+        elif what == "summary":
+            run["summary"].update(items(record.summary.update))
+            for item in record.summary.remove:
+                run["summary"].pop(item.key or "/".join(item.nested_key), None)
+        elif what == "exit":
+            run["finished"] = True  # the run's last record
+    for key in [k for k in run["config"] if k.startswith("_wandb")]:
+        del run["config"][key]  # W&B's own bookkeeping
+    run["summary"] = {k: v for k, v in run["summary"].items() if not k.startswith("_wandb")}
+    return run

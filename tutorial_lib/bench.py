@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+from importlib.resources import files
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -25,10 +27,11 @@ from .core import (HelpFormatter, OneLineParser, count_training_flops, in_notebo
 
 # %% auto #0
 __all__ = ['LOOP_DEFAULTS', 'SYNTHETIC_CONFIGS', 'JPEG_SUFFIXES', 'DEFAULT_JPEG_DIR', 'GPU_DEFAULTS', 'DRY_RUN', 'time_windows',
-           'median_throughput', 'make_bare_step', 'alternate', 'overhead_ratio', 'FixedBatchDataset', 'make_our_step',
-           'run_loop_benchmark', 'make_train_step', 'build_synthetic_run', 'measure_steps', 'RepeatDataset',
-           'jpeg_files_and_labels', 'linked_image_folder', 'decode_on_side_stream', 'jpeg_batches', 'run_gpu_benchmark',
-           'format_gpu_table', 'torchvision_model', 'device_name', 'get_args_parser', 'main']
+           'median_throughput', 'make_bare_step', 'alternate', 'overhead_ratio', 'paired_ratios', 'median_interval',
+           'FixedBatchDataset', 'make_our_step', 'run_loop_benchmark', 'make_train_step', 'build_synthetic_run',
+           'measure_steps', 'RepeatDataset', 'jpeg_files_and_labels', 'linked_image_folder', 'decode_on_side_stream',
+           'jpeg_batches', 'run_gpu_benchmark', 'format_gpu_table', 'torchvision_model', 'device_name',
+           'get_args_parser', 'main']
 
 # %% ../notebooks/10_performance.ipynb #31733dbc
 def time_windows(step: Callable[[], object], windows: int, steps_per_window: int, warmup_steps: int = 0,
@@ -101,6 +104,27 @@ def alternate(runs: dict[str, Callable[[int], None]], rounds: int, steps: int,
 def overhead_ratio(times: dict[str, list[float]], ours: str = "ours", bare: str = "bare") -> float:
     """Median time of `ours` over median time of `bare`: 1.00 means no overhead."""
     return statistics.median(times[ours]) / statistics.median(times[bare])
+
+
+def paired_ratios(times: dict[str, list[float]], ours: str = "ours", bare: str = "bare") -> list[float]:
+    """Each round's time of `ours` over the same round's time of `bare`: two loops run back to back, so each
+    ratio is measured while the machine was in one state (a busier or cooler machine slows both)."""
+    return [a / b for a, b in zip(times[ours], times[bare], strict=True)]
+
+
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A confidence interval for the median of `values` that assumes no distribution: from the k-th smallest
+    to the k-th largest value, with the largest k for which the chance that fewer than k values fall below
+    the true median (a Binomial(n, 1/2) count) is at most (1 - confidence) / 2 on each side. Taught in 10."""
+    n, tail = len(values), (1 - confidence) / 2
+    k, below = 0, 0.0
+    while k < n and below + math.comb(n, k) / 2 ** n <= tail:
+        below += math.comb(n, k) / 2 ** n
+        k += 1
+    if k == 0:
+        raise ValueError(f"{n} values are too few for a {confidence:.0%} interval of their median (6 give 97 %)")
+    ordered = sorted(values)
+    return ordered[k - 1], ordered[n - k]
 
 # %% ../notebooks/10_performance.ipynb #4c857651
 LOOP_DEFAULTS = dict(arch="resnet18", img_size=64, batch_size=16, steps=10, rounds=8, warmup_rounds=1,
@@ -187,6 +211,7 @@ def run_loop_benchmark(arch: str = "resnet18", img_size: int = 64, batch_size: i
         mine = make_bare_step(copy.deepcopy(model), images, labels, **hyper)
     runs = {"ours": mine, "bare": make_bare_step(copy.deepcopy(model), images, labels, **hyper)}
     times = alternate(runs, rounds=rounds, steps=steps, warmup_rounds=warmup_rounds)
+    paired = paired_ratios(times)
     return {
         "arch": arch, "img_size": img_size, "batch_size": batch_size, "steps": steps, "rounds": rounds,
         "ours": ours, "gradient_accumulation_steps": gradient_accumulation_steps, "max_grad_norm": max_grad_norm,
@@ -194,6 +219,8 @@ def run_loop_benchmark(arch: str = "resnet18", img_size: int = 64, batch_size: i
         "ours_ms_per_step": statistics.median(times["ours"]) / steps * 1e3,
         "bare_ms_per_step": statistics.median(times["bare"]) / steps * 1e3,
         "overhead_ratio": overhead_ratio(times),
+        "paired_median": statistics.median(paired),  # each round's ours / bare, and a 95 % interval of their median
+        "paired_interval": median_interval(paired) if rounds >= 6 else None,  # (6 rounds at least)
         "ours_round_s": times["ours"], "bare_round_s": times["bare"],
     }
 
@@ -377,7 +404,8 @@ def jpeg_batches(folder: str | os.PathLike, pipeline: str, length: int, batch_si
         shutil.rmtree(tmp, ignore_errors=True)
 
 # %% ../notebooks/10_performance.ipynb #722cfe38
-DEFAULT_JPEG_DIR = "../shared/data/imagenet-sample-100"
+# the embedded CIFAR-10 training JPEGs, inside the package; for ImageNet-sized decoding give a folder of ImageNet photos
+DEFAULT_JPEG_DIR = str(files("tutorial_lib") / "assets" / "cifar10_small" / "train")
 GPU_DEFAULTS = dict(arch="resnet50", img_size=224, batch_size=256, windows=5, steps_per_window=10,
                     warmup_steps=10, num_classes=1000, budget_s=480.0)
 DRY_RUN = dict(arch="resnet18", img_size=64, batch_size=4, windows=2, steps_per_window=1, warmup_steps=1,
@@ -525,6 +553,10 @@ def _cmd_loop(args: argparse.Namespace) -> None:
     print(f"{'ours':<8}{result['ours_ms_per_step']:>16.2f}   ({result['ours']})")
     print(f"{'bare':<8}{result['bare_ms_per_step']:>16.2f}")
     print(f"overhead_ratio {result['overhead_ratio']:.4f}")
+    if result["paired_interval"]:
+        low, high = result["paired_interval"]
+        print(f"paired rounds: median ratio {result['paired_median']:.4f}, 95 % interval [{low:.4f}, {high:.4f}] "
+              "(run --ours bare for this machine's own noise)")
     print(_json_line(result))
 
 
@@ -610,7 +642,8 @@ def get_args_parser() -> argparse.ArgumentParser:
                           "H200 989, A100 312)")
     gpu.add_argument("--data_dir", default=DEFAULT_JPEG_DIR,
                      help="folder of JPEG files (any layout) for the end-to-end rows; a relative path starts at the "
-                          "folder you run the command in (meant: the repository root)")
+                          "folder you run the command in (default: the package's embedded CIFAR-10 training JPEGs, "
+                          "32 px; give a folder of ImageNet photos to time ImageNet-sized decoding)")
     gpu.add_argument("--no_e2e", action="store_true", help="synthetic rows only")
     gpu.add_argument("--workers", type=non_negative_int, default=argparse.SUPPRESS,
                      help="CPU DataLoader workers (default: the CPUs this process may use, minus one)")

@@ -37,7 +37,7 @@ def smoke_mode() -> bool:
     """True when `TUTORIAL_SMOKE` is set to a true value.
 
     Smoke mode shrinks sizes and step counts so every notebook runs in under a minute on a laptop
-    CPU; it never changes which code runs. Tests and CI set it."""
+    CPU; it never changes which code runs. `TUTORIAL_SMOKE=1` turns it on."""
     return os.environ.get(SMOKE_ENV_VAR, "0").strip().lower() in {"1", "true", "yes", "on"}
 
 
@@ -446,7 +446,13 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """`--help` with every flag's default, and descriptions and epilogs printed as written."""
+    """`--help` with every flag's default, once, and descriptions and epilogs printed as written. A flag whose
+    default is computed says so in its help, `(default: --img_size)`, and argparse's `(default: None)` is left out."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.help and "(default:" in action.help:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def config_path(name: str) -> Path:

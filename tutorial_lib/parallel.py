@@ -29,7 +29,7 @@ def ddp_gradient_worker(out_dir: str, global_batch: int = 16, seed: int = 0) -> 
     """Run by each process under `debug_launcher`: gradients of its shard before and after DDP's all-reduce.
 
     Each process starts from *different* weights (seed + rank) to show that `prepare` broadcasts
-    process 0's; results go to `out_dir/rank{i}.pt`. Taught in 02, tested in tests/test_parallel.py."""
+    process 0's; results go to `out_dir/rank{i}.pt`. Taught in 02."""
     from accelerate import Accelerator
     from torch.utils.data import DataLoader, TensorDataset
 

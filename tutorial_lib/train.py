@@ -582,13 +582,13 @@ def add_run_and_data_flags(group, data) -> None:
     add("--working_directory", default="runs", help="parent folder of all runs")
     add("--overwrite", action="store_true", help="a new run in a folder holding a run moves that run aside (never deletes)")
     add("--path_to_data", default=str(embedded_data_path()), help="class folders (train/ and val/), parquet shards, a "
-        "save_to_disk folder or a Hub id such as ILSVRC/imagenet-1k (07); default: the embedded CIFAR-10 subset")
+        "save_to_disk folder or a Hub id such as ILSVRC/imagenet-1k (07) (default: the embedded CIFAR-10 subset)")
     add("--num_classes", type=number_flag(int, 2), default=None, help="inferred from the data; if given it must match")
     add("--model", type=model_name, default=V1["model"], help="torchvision model name, or 'tinycnn'")
     add("--seed", type=non_negative_int, default=0, help="seeds weights, data order and augmentation")
     add("--cpu", action="store_true", help="run on CPU even if a GPU is present")
     add("--mixed_precision", choices=["no", "bf16", "fp16"], default=None,
-        help="default: what `accelerate config`/`accelerate launch` says, else no")
+        help="precision of the forward pass (default: what `accelerate config`/`accelerate launch` says, else no)")
     add("--log_with", choices=["wandb", "tensorboard", "none"], nargs="+", default=["wandb"], help="trackers: wandb "
         "(online with a key, offline without; WANDB_MODE overrides), tensorboard (<run>/tensorboard), none")
     add("--wandb_project", default="resnet50-imagenet-accelerate", help="W&B project name")
@@ -612,15 +612,15 @@ def add_optimisation_flags(group, schedule) -> None:
     add("--batch_size", type=positive_int, default=V1["batch_size"], help="images PER PROCESS per forward pass (see below)")
     add("--gradient_accumulation_steps", type=positive_int, default=1, help="micro-batches per optimizer step")
     add("--learning_rate", type=positive_float, default=None,
-        help="peak learning rate; default: --lr_base x global batch / --lr_base_batch (the linear scaling rule)")
+        help="peak learning rate (default: --lr_base x global batch / --lr_base_batch, the linear scaling rule)")
     add("--lr_base", type=positive_float, default=V1["lr_base"], help="learning rate of a global batch of --lr_base_batch")
     add("--lr_base_batch", type=positive_int, default=V1["lr_base_batch"], help="the global batch --lr_base is meant for")
     add("--zero_init_residual", action="store_true", help="each residual block's last BatchNorm starts at zero (ResNets)")
     add("--momentum", type=number_flag(float, 0, 1, high_open=True), default=V1["momentum"], help="SGD momentum")
     add("--weight_decay", type=non_negative_float, default=V1["weight_decay"], help="L2 penalty of SGD, on every parameter "
         "unless the two flags below say otherwise")
-    add("--norm_weight_decay", type=non_negative_float, default=None, help="decay of norm-layer weights; default: --weight_decay")
-    add("--bias_weight_decay", type=non_negative_float, default=None, help="decay of biases; default: --weight_decay")
+    add("--norm_weight_decay", type=non_negative_float, default=None, help="decay of norm-layer weights (default: --weight_decay)")
+    add("--bias_weight_decay", type=non_negative_float, default=None, help="decay of biases (default: --weight_decay)")
     add("--label_smoothing", type=number_flag(float, 0, 1, high_open=True), default=V1["label_smoothing"],
         help="weight of the uniform distribution in the targets")
     add("--on_nonfinite_loss", choices=["stop", "skip"], default="stop",
@@ -634,7 +634,7 @@ def add_optimisation_flags(group, schedule) -> None:
     add_schedule("--lr_milestones", type=positive_float, nargs="*", default=None, help="epochs of the decays (multistep)")
     add_schedule("--lr_min", type=non_negative_float, default=0.0, help="final LR (cosine, linear)")
     add_schedule("--lr_warmup_epochs", type=non_negative_float, default=None,
-                 help="linear warmup in epochs (fractions allowed); default: 5 x (1 - 256 / global batch), none up to 256")
+                 help="linear warmup in epochs, fractions allowed (default: 5 x (1 - 256 / global batch), none up to 256)")
     add_schedule("--lr_warmup_start_factor", type=number_flag(float, 0, 1, low_open=True), default=0.01,
                  help="warmup starts at lr x this factor")
 
