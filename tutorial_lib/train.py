@@ -21,9 +21,8 @@ from .accumulation import TinyCNN, loss_scale
 from .accel import (
     ClassificationMetrics, MetricsLogger, MissingPathError, NonFiniteGuard, NonFiniteLossError, StopRequest, TrainState,
     UserInputError, atomic_write_text, build_accelerator, check_free_space, check_trackers, check_writable,
-    claim_run_folder, cut_metrics,
-    format_metrics_table, merge_metrics, model_signature, read_metrics, resolve_resume_path, resume_state, run_outputs,
-    save_checkpoint, save_final_model, start_trackers, write_run_config)
+    claim_run_folder, cut_metrics, format_metrics_table, merge_metrics, model_signature, read_metrics,
+    resolve_resume_path, resume_state, run_outputs, save_checkpoint, save_final_model, start_trackers, write_run_config)
 from .core import (
     HelpFormatter, OneLineParser, Progress, StepTimer, count_training_flops, global_batch_size, in_notebook,
     non_negative_float, non_negative_int, number_flag, parse_overrides, peak_flops_for, positive_float, positive_int)
@@ -265,15 +264,14 @@ def resolve_learning_rate(args: argparse.Namespace, num_processes: int) -> argpa
     else:
         resolved.lr_rule = f"lr {args.learning_rate:g} (--learning_rate; the scaling rule would give " \
                            f"{scaled_lr(global_batch, args.lr_base, args.lr_base_batch):.4g})"
-    warmup = f"warmup {args.lr_warmup_epochs or 0:g} epochs"
+    capped = ""
     if args.lr_warmup_epochs is None:
         rule = round(5 * max(0.0, 1 - 256 / global_batch), 2)
         resolved.lr_warmup_epochs = min(rule, round(WARMUP_CAP * args.epochs, 2))
-        warmup = f"warmup {resolved.lr_warmup_epochs:g} epochs"
         if resolved.lr_warmup_epochs < rule:  # said at start: the rule alone would fill most of a short run
-            warmup += (f" (the rule's 5 x (1 - 256 / {global_batch}) = {rule:g}, capped at {WARMUP_CAP:.0%} of the "
-                       f"{args.epochs}-epoch run)")
-    resolved.lr_rule += f", {warmup}, global batch {global_batch}"
+            capped = f" (the rule's 5 x (1 - 256 / {global_batch}) = {rule:g}, capped at {WARMUP_CAP:.0%} of the " \
+                     f"{args.epochs}-epoch run)"
+    resolved.lr_rule += f", warmup {resolved.lr_warmup_epochs:g} epochs{capped}, global batch {global_batch}"
     return resolved
 
 
@@ -599,18 +597,17 @@ def smallest_input_size(net: nn.Module, upto: int = 1024) -> int | None:
 def check_input_sizes(args: argparse.Namespace, net: nn.Module) -> None:
     """Every image size the run feeds the model (its training crops, progressive resizing's, evaluation's) fits it:
     at start, not once the data is read (for --val_img_size, a whole epoch later)."""
-    if args.min_res:
-        sizes = {train_resolution(args, epoch): f"--min_res {args.min_res} --max_res {args.max_res}"
-                 for epoch in reversed(range(args.epochs))}  # the earliest epoch at each resolution is named
+    if args.min_res:  # every resolution of the progressive-resizing schedule
+        sizes = {res: f"progressive resizing (--min_res {args.min_res}, --max_res {args.max_res}) at {res} px"
+                 for res in {train_resolution(args, epoch) for epoch in range(args.epochs)}}
     else:
-        sizes = {args.img_size: "--img_size"}
+        sizes = {args.img_size: f"--img_size {args.img_size}"}
     val = args.val_img_size or args.img_size
-    sizes.setdefault(val, "--val_img_size" if args.val_img_size else "--img_size")
-    for size, flag in sorted(sizes.items()):
+    sizes.setdefault(val, f"--val_img_size {val}" if args.val_img_size else f"--img_size {val}")
+    for size, what in sorted(sizes.items()):
         error = input_size_error(net, size)
         if error is None:
             continue
-        what = f"{flag} {size}" if flag.count("--") == 1 else f"progressive resizing ({flag}) at {size} px"
         smallest = smallest_input_size(net)
         if smallest is not None and size < smallest:
             raise BadFlagError(f"{what} is too small for --model {args.model}: the smallest image it accepts is "
@@ -712,8 +709,8 @@ def add_run_and_data_flags(group, data) -> None:
     add("--working_directory", type=user_path, default="runs", help="parent folder of all runs")
     add("--overwrite", action="store_true", help="a new run (or another run's checkpoint resumed) in a folder holding "
         "a run moves that run aside (never deletes)")
-    add("--path_to_data", type=user_path, default=str(embedded_data_path()), help="class folders (train/ and val/), parquet shards, a "
-        "save_to_disk folder or a Hub id such as ILSVRC/imagenet-1k (07) (default: the embedded CIFAR-10 subset)")
+    add("--path_to_data", type=user_path, default=str(embedded_data_path()), help="class folders (train/ and val/), "
+        "parquet shards, a save_to_disk folder or a Hub id such as ILSVRC/imagenet-1k (07) (default: the embedded CIFAR-10 subset)")
     add("--num_classes", type=number_flag(int, 2), default=None, help="inferred from the data; if given it must match")
     add("--model", type=model_name, default=V1["model"], help="torchvision model name, or 'tinycnn'")
     add("--seed", type=non_negative_int, default=0, help="seeds weights, data order and augmentation")
@@ -789,7 +786,8 @@ def add_speed_and_checkpoint_flags(group, checkpoints) -> None:
     add_checkpoint("--save_checkpoint_interval", type=positive_int, default=1, help="epochs between checkpoints (and at the end)")
     add_checkpoint("--checkpoint_every_steps", type=positive_int, default=None, help="also every N optimizer steps, mid-epoch")
     add_checkpoint("--keep_last_checkpoints", type=positive_int, default=2, help="older checkpoints are deleted")
-    add_checkpoint("--resume_from_checkpoint", type=user_path, default=None, help="a checkpoint folder, or 'latest' (fresh if there is none)")
+    add_checkpoint("--resume_from_checkpoint", type=user_path, default=None,
+                   help="a checkpoint folder, or 'latest' (fresh if there is none)")
     add_checkpoint("--stop_after_steps", type=positive_int, default=None,
                    help="checkpoint and stop after this many optimizer steps in all (simulates a preemption)")
     add_checkpoint("--inject_nan_at_steps", type=positive_int, nargs="*", default=None,
