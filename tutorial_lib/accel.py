@@ -1183,7 +1183,7 @@ def wandb_server_problem(timeout: float = 3.0) -> str | None:
 
     thread = threading.Thread(target=ask, daemon=True)
     thread.start()
-    thread.join(timeout + 0.5)
+    thread.join(timeout)  # a lookup or connection still pending then is no answer
     return answers[0] if answers else f"{url} does not answer within {timeout:g} s"
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #23e2345d
