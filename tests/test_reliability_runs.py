@@ -1,4 +1,4 @@
-"""Run folders, resumes and flags that must not take a run over or fail late (notebook 11, issue 26's run-folder part).
+"""Run folders, resumes and flags that must not take a run over or fail late (notebook 11).
 
 Every case runs the real command line in its own process (`run_cli`, forked) and must do what the user meant or stop
 with exactly one line on stderr (exit 2) before anything is written: run names that leave the working directory, a
