@@ -521,8 +521,12 @@ def test_fp16_on_a_cpu_is_refused(tmp_path, data):
 # --- flags that make no sense are refused before any data is read ----------------------------------
 
 @pytest.mark.parametrize("options, message", [
-    (dict(lr_scheduler="onecycle"), "--lr_scheduler onecycle rises during --lr_warmup_epochs: give it more than 0 and "
-                                    "at most half the run (e.g. --lr_warmup_epochs 0.3), not 0"),
+    (dict(lr_scheduler="onecycle"), "--lr_scheduler onecycle rises during the warmup, but the warmup derived from the "
+                                    "global batch is 0 epochs (5 x (1 - 256 / global batch), none up to 256): give "
+                                    "--lr_warmup_epochs, more than 0 and at most half the run (e.g. --lr_warmup_epochs 0.3)"),
+    (dict(lr_scheduler="onecycle", lr_warmup_epochs=0), "--lr_scheduler onecycle rises during --lr_warmup_epochs: give it "
+                                                        "more than 0 and at most half the run (e.g. --lr_warmup_epochs "
+                                                        "0.3), not 0"),
     (dict(lr_warmup_epochs=1), "--lr_warmup_epochs 1 covers the whole run of 1 epochs; use fewer warmup epochs"),
     (dict(lr_scheduler="multistep"), "--lr_scheduler multistep needs --lr_milestones: increasing epochs below --epochs 1 "
                                      "at which the LR is multiplied by --step_lr_decay, got []"),

@@ -37,8 +37,8 @@ def spy(monkeypatch):
         model = build(name, num_classes, *options)
 
         def hook(module, args):
-            if module is seen["model"]:  # not the EMA's deep copy
-                x = args[0]
+            x = args[0]
+            if module is seen["model"] and x.device.type != "meta":  # not the EMA's copy, nor check_args' shape probe
                 seen["calls"].append((module.training, tuple(x.shape[-2:]),
                                       x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()))
 

@@ -34,13 +34,14 @@ from .core import free_port
 __all__ = ['IGNORE_LABEL', 'CHECKPOINT_FORMAT', 'MANIFEST', 'PROGRESS_FILE', 'RUN_LOCK', 'RUN_OUTPUTS', 'WANDB_MODES',
            'launch_with_timeout', 'launched_threads', 'MetricsLogger', 'read_metrics', 'format_metrics_table',
            'UserInputError', 'LaunchError', 'overlapping_copies', 'build_accelerator', 'ClassificationMetrics',
-           'merge_metrics', 'MissingPathError', 'CheckpointError', 'checkpoint_root', 'list_checkpoints',
-           'incomplete_checkpoints', 'latest_checkpoint', 'fsync_path', 'atomic_write_text', 'sha256_file',
-           'model_signature', 'DiskFullError', 'follow_umask', 'save_checkpoint', 'save_final_model',
-           'verify_checkpoint', 'load_checkpoint', 'resolve_resume_path', 'TrainState', 'resume_state',
-           'RunFolderError', 'RunLock', 'run_outputs', 'check_writable', 'claim_run_folder', 'write_run_config',
-           'cut_metrics', 'NonFiniteLossError', 'NonFiniteGuard', 'StopRequest', 'wandb_api_key_configured',
-           'resolve_wandb_mode', 'check_trackers', 'start_trackers', 'read_wandb_offline_run']
+           'merge_metrics', 'MissingPathError', 'CheckpointError', 'RunFolderError', 'checkpoint_root',
+           'list_checkpoints', 'incomplete_checkpoints', 'latest_checkpoint', 'fsync_path', 'atomic_write_text',
+           'sha256_file', 'model_signature', 'DiskFullError', 'format_bytes', 'check_free_space', 'follow_umask',
+           'save_checkpoint', 'save_final_model', 'verify_checkpoint', 'load_checkpoint', 'resolve_resume_path',
+           'TrainState', 'folder_run_id', 'resume_state', 'RunLock', 'run_outputs', 'check_writable',
+           'claim_run_folder', 'write_run_config', 'cut_metrics', 'NonFiniteLossError', 'NonFiniteGuard', 'StopRequest',
+           'wandb_api_key_configured', 'resolve_wandb_mode', 'wandb_server_problem', 'check_trackers', 'start_trackers',
+           'read_wandb_offline_run']
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #8f8d11a1
 def launch_with_timeout(fn, args: tuple = (), num_processes: int = 2, timeout: float | None = None,
@@ -380,6 +381,10 @@ class CheckpointError(UserInputError, ValueError):
     """A checkpoint that is incomplete, corrupt, unsafe to load, or written by another model or run."""
 
 
+class RunFolderError(UserInputError):
+    """A run folder that holds another run, that another run is using right now, or whose `config.json` is damaged."""
+
+
 CHECKPOINT_FORMAT = "tutorial-train-checkpoint/1"
 MANIFEST = "checkpoint.json"        # written last: a folder without it is not a checkpoint
 PROGRESS_FILE = "train_state.json"  # where the run is (epoch, step...) as JSON: nothing of ours needs unpickling
@@ -465,14 +470,48 @@ def _no_space(err: BaseException | None) -> bool:
     return False
 
 
-def _disk_full_message(run_dir: Path, what: str) -> str:
+def format_bytes(n: float) -> str:
+    """A size in the unit that reads best, 1 KB = 1024 bytes: 233472 -> "228 KB", 5.2e9 -> "4.84 GB", 0 -> "0 bytes"."""
+    units, i = ("bytes", "KB", "MB", "GB", "TB"), 0
+    while n >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:.0f} {units[i]}" if i == 0 or n >= 1000 else f"{n:.3g} {units[i]}"
+
+
+def _disk_full_message(run_dir: Path, what: str, need: int | None = None) -> str:
+    """The one line of a save that found the disk full: `need`, what it needs (an estimate), else the size of the
+    run's last checkpoint."""
     previous = latest_checkpoint(run_dir)
-    need = sum(f.stat().st_size for f in previous.iterdir()) if previous else 0
+    if need is None and previous is not None:
+        need = sum(f.stat().st_size for f in previous.iterdir())
     free = shutil.disk_usage(run_dir).free
     where = f"from {previous.name}, which is intact" if previous else "from the start: no checkpoint was saved yet"
-    return (f"no space left on the disk of {run_dir} while saving {what}: a checkpoint needs about "
-            f"{max(need, 1) / 2**20:.1f} MB, {free / 2**20:.1f} MB are free; free some space, then resume with "
-            f"--resume_from_checkpoint latest ({where})")
+    needs = f"it needs about {format_bytes(need)}, " if need else ""
+    return (f"no space left on the disk of {run_dir} while saving {what}: {needs}{format_bytes(free)} are free; free "
+            f"some space, then resume with --resume_from_checkpoint latest ({where})")
+
+
+def check_free_space(run_dir: str | os.PathLike, need: int, accelerator=None) -> None:
+    """Refuse (`DiskFullError`) a run whose disk cannot hold one more checkpoint of about `need` bytes: at start,
+    not at the first save an epoch later. With an `accelerator` the main process decides for every process."""
+    if accelerator is not None:
+        from accelerate.utils import broadcast_object_list
+
+        refusal = None
+        if accelerator.is_main_process:
+            try:
+                check_free_space(run_dir, need)
+            except DiskFullError as err:
+                refusal = str(err)
+        refusal = broadcast_object_list([refusal])[0]
+        if refusal:
+            raise DiskFullError(refusal)
+        return
+    free = shutil.disk_usage(run_dir).free
+    if free < need:
+        raise DiskFullError(f"not enough space on the disk of {run_dir} for a checkpoint: one needs about "
+                            f"{format_bytes(need)}, {format_bytes(free)} are free; free some space or choose another "
+                            "--working_directory")
 
 
 def follow_umask(path: str | os.PathLike) -> None:
@@ -484,14 +523,15 @@ def follow_umask(path: str | os.PathLike) -> None:
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #94b74159
 def save_checkpoint(accelerator, run_dir: str | os.PathLike, step: int, progress: dict, keep_last: int,
-                    meta: dict | None = None) -> Path:
+                    meta: dict | None = None, size_hint: int | None = None) -> Path:
     """Save the full training state into `checkpoints/step_<step>` atomically; keep the last `keep_last`.
 
     `accelerator.save_state` writes model, optimizer, scheduler and every process's RNG into
     `.tmp-step_*`; `progress` (where the run is) goes to `train_state.json`; every file is flushed to
     disk; the manifest (`checkpoint.json`: size and SHA-256 of every file, plus `meta`) is written
     last; then the folder is renamed. A kill at any moment leaves either the complete folder or a
-    leftover that `latest` ignores; a full disk raises `DiskFullError` on every process. Call it on
+    leftover that `latest` ignores; a full disk raises `DiskFullError` on every process (its message says
+    `size_hint`, the estimated size of a checkpoint, when there is no earlier one to measure). Call it on
     every process."""
     root = checkpoint_root(run_dir)
     final, failure = root / f"step_{step:09d}", None
@@ -502,9 +542,9 @@ def save_checkpoint(accelerator, run_dir: str | os.PathLike, step: int, progress
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(str(tmp))  # model (safetensors), optimizer, scheduler, RNG of every process
-    except (OSError, RuntimeError) as err:  # e.g. a full disk, as the OS or torch's C++ writer reports it
-        failure = err
-    _stop_if_any_failed(accelerator, failure, tmp, run_dir, f"the checkpoint of step {step}")  # all wrote their RNG
+    except Exception as err:  # e.g. a full disk, as the OS, torch's C++ writer or safetensors reports it
+        failure = err  # every process learns whether any failed (below); anything but a full disk is raised again
+    _stop_if_any_failed(accelerator, failure, tmp, run_dir, f"the checkpoint of step {step}", size_hint)  # all wrote their RNG
     if accelerator.is_main_process:
         try:
             _commit_checkpoint(tmp, final, step, progress, meta)
@@ -515,7 +555,7 @@ def save_checkpoint(accelerator, run_dir: str | os.PathLike, step: int, progress
                     shutil.rmtree(leftover, ignore_errors=True)
         except OSError as err:
             failure = err
-    _stop_if_any_failed(accelerator, failure, tmp, run_dir, f"the checkpoint of step {step}")
+    _stop_if_any_failed(accelerator, failure, tmp, run_dir, f"the checkpoint of step {step}", size_hint)
     return final
 
 
@@ -537,7 +577,7 @@ def _commit_checkpoint(tmp: Path, final: Path, step: int, progress: dict, meta: 
 
 
 def _stop_if_any_failed(accelerator, failure: BaseException | None, tmp: Path, run_dir: str | os.PathLike,
-                        what: str) -> None:
+                        what: str, need: int | None = None) -> None:
     """The same decision on every process: if any failed to save, all stop (`DiskFullError` for a full disk)."""
     flags = torch.tensor([float(failure is not None), float(_no_space(failure))], device=accelerator.device)
     failed, full = (accelerator.reduce(flags, "sum") > 0).tolist()
@@ -546,7 +586,7 @@ def _stop_if_any_failed(accelerator, failure: BaseException | None, tmp: Path, r
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)  # the half-written folder; the previous checkpoint is untouched
     if full:
-        raise DiskFullError(_disk_full_message(Path(run_dir), what)) from None
+        raise DiskFullError(_disk_full_message(Path(run_dir), what, need)) from None
     if failure is not None:
         raise failure
     raise RuntimeError(f"another process failed while saving {what}")
@@ -557,12 +597,13 @@ def save_final_model(accelerator, model: torch.nn.Module, run_dir: str | os.Path
     a file, a full disk stops with one line. Call it on every process."""
     run_dir, failure = Path(run_dir), None
     tmp = run_dir / ".tmp-final"
+    weights = sum(t.numel() * t.element_size() for t in accelerator.unwrap_model(model).state_dict().values())
     accelerator.wait_for_everyone()
     try:
         accelerator.save_model(model, tmp)
-    except (OSError, RuntimeError) as err:
+    except Exception as err:  # safetensors reports a full disk as a SafetensorError
         failure = err
-    _stop_if_any_failed(accelerator, failure, tmp, run_dir, "the final model")
+    _stop_if_any_failed(accelerator, failure, tmp, run_dir, "the final model", weights)
     if accelerator.is_main_process:
         for f in tmp.iterdir():
             follow_umask(f)
@@ -574,10 +615,13 @@ def save_final_model(accelerator, model: torch.nn.Module, run_dir: str | os.Path
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #2b50c8bf
 def _load_plain(path: Path):
-    """`torch.load(weights_only=True)` with the NumPy types accelerate's RNG files need allowed."""
+    """`torch.load(weights_only=True)` with the NumPy types accelerate's RNG files need allowed. torch's warnings about
+    the file (an unusual pickle protocol, say) are not printed: a file it refuses is named in the one error line."""
     from accelerate.utils import load
 
-    return load(path, map_location="cpu", weights_only=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load(path, map_location="cpu", weights_only=True)
 
 
 def _check_files(path: Path, manifest: dict, flag: str) -> None:
@@ -632,11 +676,67 @@ def verify_checkpoint(path: str | os.PathLike, expect: dict | None = None) -> di
     return manifest
 
 
-def load_checkpoint(accelerator, path: str | os.PathLike, expect: dict | None = None) -> tuple[dict, dict]:
-    """Verify, then restore weights, optimizer, scheduler and RNG states; return (manifest, progress)."""
+def _check_model_tensors(path: Path, model: torch.nn.Module, flag: str) -> None:
+    """Every tensor of `model.safetensors` is one of `model`'s, with its shape (read from the file's header only)."""
+    from safetensors import safe_open
+
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    try:
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            saved = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except Exception as err:  # a header safetensors cannot parse
+        raise CheckpointError(f"{flag}: model.safetensors is unreadable ({err}); resume from another checkpoint") from None
+    for name, shape in sorted(saved.items()):
+        if shapes.get(name) != shape:
+            this = f"this model's is {list(shapes[name])}" if name in shapes else "this model has no such tensor"
+            raise CheckpointError(f"{flag}: model.safetensors holds {name} of shape {list(shape)}, {this}; it was not "
+                                  "written by this script for this model: resume from a checkpoint of this run")
+
+
+def _check_optimizer_state(path: Path, optimizer, flag: str) -> None:
+    """`optimizer.bin` has `optimizer`'s parameter groups and, for every parameter, state tensors of its shape
+    (a momentum buffer of another shape would only fail at the first step, in a traceback)."""
+    saved, groups = _load_plain(path / "optimizer.bin"), optimizer.param_groups
+    saved_groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    sizes = [len(g["params"]) for g in groups]
+    if not isinstance(saved_groups, list) or [len(g.get("params", [])) for g in saved_groups] != sizes:
+        found = [len(g.get("params", [])) for g in saved_groups] if isinstance(saved_groups, list) else "none"
+        raise CheckpointError(f"{flag}: optimizer.bin has parameter groups of {found} parameters, this run's optimizer "
+                              f"{sizes}; it was not written by this script for this model: resume from a checkpoint "
+                              "of this run")
+    state = saved.get("state", {})
+    for saved_group, group in zip(saved_groups, groups):
+        for index, param in zip(saved_group["params"], group["params"]):
+            for name, value in (state.get(index) or {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() and value.shape != param.shape:
+                    raise CheckpointError(f"{flag}: optimizer.bin holds a {name} of shape {list(value.shape)} for a "
+                                          f"parameter of shape {list(param.shape)}; it was not written by this script "
+                                          "for this model: resume from a checkpoint of this run")
+
+
+def load_checkpoint(accelerator, path: str | os.PathLike, expect: dict | None = None, model=None,
+                    optimizer=None) -> tuple[dict, dict]:
+    """Verify, then restore weights, optimizer, scheduler and RNG states; return (manifest, progress).
+
+    With `model` (unwrapped) and `optimizer`, their tensors' names and shapes are checked first: a crafted checkpoint
+    whose manifest matches but whose contents do not is refused in one line (`CheckpointError`), like any other
+    load error below."""
     manifest = verify_checkpoint(path, expect)
-    accelerator.load_state(str(path))  # safetensors model; other files torch.load(weights_only=True)
-    return manifest, json.loads((Path(path) / PROGRESS_FILE).read_text())
+    path, flag = Path(path), f"--resume_from_checkpoint {path}"
+    try:
+        progress = json.loads((path / PROGRESS_FILE).read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{flag}: {PROGRESS_FILE} is unreadable ({err}); resume from another checkpoint") from None
+    if model is not None and (path / "model.safetensors").is_file():
+        _check_model_tensors(path, model, flag)
+    if optimizer is not None and (path / "optimizer.bin").is_file():
+        _check_optimizer_state(path, optimizer, flag)
+    try:
+        accelerator.load_state(str(path))  # safetensors model; other files torch.load(weights_only=True)
+    except (RuntimeError, ValueError, KeyError, IndexError, TypeError) as err:  # what the checks above cannot foresee
+        raise CheckpointError(f"{flag} does not fit this run ({' '.join(str(err).split())[:300]}); resume from a "
+                              "checkpoint of this run") from None
+    return manifest, progress
 
 
 def resolve_resume_path(resume: str | None, run_dir: str | os.PathLike, warn=print,
@@ -693,24 +793,64 @@ class TrainState:
         return dataclasses.asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` saved; other keys, or values of another type, raise `ValueError` (a crafted file)."""
+        kinds = {f.name: type(getattr(TrainState(), f.name)) for f in dataclasses.fields(self)}
+        if not isinstance(state, dict) or set(state) != set(kinds):
+            keys = set(state) if isinstance(state, dict) else set()
+            raise ValueError(f"missing {sorted(set(kinds) - keys)}, unexpected {sorted(keys - set(kinds))}")
+        for key, value in state.items():
+            if not isinstance(value, kinds[key]) or isinstance(value, bool) or (kinds[key] is int and value < 0):
+                raise ValueError(f"{key} is {value!r}, expected a{'' if kinds[key] is int else ' ' + kinds[key].__name__} "
+                                 f"{'non-negative integer' if kinds[key] is int else ''}".rstrip())
         for key, value in state.items():
             setattr(self, key, value)
 
 
+def folder_run_id(run_dir: str | os.PathLike) -> str | None:
+    """The id of the run `run_dir` belongs to: its `config.json`'s, else the one run its checkpoints name (None for a
+    folder with neither). A damaged `config.json`, or no `config.json` and checkpoints of several runs, raise
+    `RunFolderError`: `latest` must not guess which run is the folder's own."""
+    config = Path(run_dir) / "config.json"
+    if config.exists():
+        try:
+            run_id = json.loads(config.read_text()).get("run_id")
+            problem = None if isinstance(run_id, str) and run_id else "it names no run_id"
+        except ValueError as err:  # JSONDecodeError (a file cut short, not JSON) and UnicodeDecodeError
+            problem = f"not JSON: {err}" if isinstance(err, json.JSONDecodeError) else "not text"
+        except (AttributeError, OSError) as err:  # JSON but not an object; unreadable
+            problem = "not a JSON object" if isinstance(err, AttributeError) else str(err)
+        if problem:
+            raise RunFolderError(f"{config} is damaged ({problem}); the checkpoints are still usable: move the file "
+                                 f"aside (e.g. to {config.name}.damaged) and run the same command again, which reads "
+                                 "the run's id from its checkpoints")
+        return run_id
+    ids = sorted({_manifest_run_id(p) for p in list_checkpoints(run_dir)} - {None})
+    if len(ids) > 1:
+        raise RunFolderError(f"{run_dir} has no config.json to say which run it belongs to, and its checkpoints belong "
+                             f"to {len(ids)} runs ({', '.join(ids)}): move the other runs' checkpoints out of "
+                             f"{checkpoint_root(run_dir)}, or resume one of them into a new folder with "
+                             "--resume_from_checkpoint <its folder> --experiment_name <a new name>")
+    return ids[0] if ids else None
+
+
 def resume_state(accelerator, resume: str | None, run_dir: str | os.PathLike, state: TrainState, expect: dict,
-                 layout: list) -> Path | None:
+                 layout: list, model=None, optimizer=None) -> Path | None:
     """`--resume_from_checkpoint` (a folder or `latest`): restore the checkpoint into the prepared objects and
-    `state`; None when there is none. Refuses another model's (`expect`) and a mid-epoch one saved with another
+    `state`; None when there is none. Refuses another model's (`expect`; tensor shapes too, given the unwrapped
+    `model` and the `optimizer`), a `train_state.json` with other keys, and a mid-epoch one saved with another
     `layout`. Every process calls it; a fresh run gets its id here."""
     from accelerate.utils import broadcast_object_list
 
-    config = Path(run_dir) / "config.json"  # written by the run this folder belongs to: `latest` resumes only it
-    folder_run = json.loads(config.read_text()).get("run_id") if config.is_file() else None
+    folder_run = folder_run_id(run_dir)  # the run this folder belongs to: `latest` resumes only it
     warn = lambda msg: accelerator.print(msg, file=sys.stderr, flush=True)  # noqa: E731
     path = resolve_resume_path(resume, run_dir, warn=warn, run_id=folder_run)
     if path is not None:
-        _, progress = load_checkpoint(accelerator, path, expect)  # verified first
-        state.load_state_dict(progress)
+        _, progress = load_checkpoint(accelerator, path, expect, model, optimizer)  # verified first
+        try:
+            state.load_state_dict(progress)
+        except ValueError as err:
+            raise CheckpointError(f"--resume_from_checkpoint {path}: {PROGRESS_FILE} is not this script's ({err}); "
+                                  "resume from a checkpoint of this run") from None
         if state.batches_done and state.layout and list(state.layout) != list(layout):
             raise CheckpointError(f"{path} was saved mid-epoch with (processes, --batch_size, "
                                   f"--gradient_accumulation_steps) = {tuple(state.layout)}, not {tuple(layout)}: resume "
@@ -725,10 +865,6 @@ def resume_state(accelerator, resume: str | None, run_dir: str | os.PathLike, st
     return path
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #f1cd8293
-class RunFolderError(UserInputError):
-    """A run folder that holds another run, or that another run is using right now."""
-
-
 RUN_LOCK = ".run.lock"
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "model.safetensors", "final_metrics.json")  # what makes a folder a run
 
@@ -788,9 +924,12 @@ def check_writable(folder: str | os.PathLike, what: str) -> None:
         raise UserInputError(f"{what} is not writable ({err.strerror or err}); choose a folder you can write to") from None
 
 
-def claim_run_folder(run_dir: str | os.PathLike, fresh: bool, overwrite: bool = False, accelerator=None) -> RunLock | None:
+def claim_run_folder(run_dir: str | os.PathLike, fresh: bool, overwrite: bool = False, accelerator=None,
+                     resume_from: str | os.PathLike | None = None) -> RunLock | None:
     """Lock `run_dir` for this run. A `fresh` run refuses a folder that holds another run, unless `overwrite`
-    moves that run aside first (`<name>.replaced-<time>`, nothing deleted). With an `accelerator`, the main
+    moves that run aside first (`<name>.replaced-<time>`, nothing deleted); so does a resume of the checkpoint
+    `resume_from` (a path: it continues that checkpoint's run) into a folder holding another run. A resume reads the
+    folder's run id first (`folder_run_id`: a damaged `config.json` is refused). With an `accelerator`, the main
     process claims and every process raises the same `RunFolderError` (the others get None)."""
     if accelerator is not None:
         from accelerate.utils import broadcast_object_list
@@ -798,7 +937,7 @@ def claim_run_folder(run_dir: str | os.PathLike, fresh: bool, overwrite: bool = 
         lock, refusal = None, None
         if accelerator.is_main_process:
             try:
-                lock = claim_run_folder(run_dir, fresh, overwrite)
+                lock = claim_run_folder(run_dir, fresh, overwrite, resume_from=resume_from)
             except RunFolderError as err:
                 refusal = str(err)
         refusal = broadcast_object_list([refusal])[0]
@@ -808,13 +947,20 @@ def claim_run_folder(run_dir: str | os.PathLike, fresh: bool, overwrite: bool = 
     run_dir = Path(run_dir)
     lock = RunLock(run_dir)
     lock.acquire()
-    existing = run_outputs(run_dir) if fresh else []
-    if existing and not overwrite:
+    existing = run_outputs(run_dir)
+    takes_folder = fresh or resume_from is not None  # a new run, or another run's checkpoint continued here
+    try:
+        if not fresh and not (overwrite and resume_from is not None):
+            own = folder_run_id(run_dir)  # raises for a damaged config.json, or checkpoints of several runs
+            takes_folder = resume_from is not None and own != _manifest_run_id(Path(resume_from))
+        if existing and takes_folder and not overwrite:
+            raise RunFolderError(f"{run_dir} already holds a run ({', '.join(existing)}): resume it with "
+                                 "--resume_from_checkpoint latest, give this run another --experiment_name, or pass "
+                                 "--overwrite to move the old run aside (nothing is deleted)")
+    except RunFolderError:
         lock.release()
-        raise RunFolderError(f"{run_dir} already holds a run ({', '.join(existing)}): resume it with "
-                             "--resume_from_checkpoint latest, give this run another --experiment_name, or pass "
-                             "--overwrite to move the old run aside (nothing is deleted)")
-    if existing:  # --overwrite: the old run, lock file included, moves aside whole; this run starts a new folder
+        raise
+    if existing and takes_folder:  # --overwrite: the old run, lock file included, moves aside whole; this run starts a new folder
         aside = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
         run_dir.rename(aside)
         new_lock = RunLock(run_dir)
@@ -829,7 +975,11 @@ def write_run_config(run_dir: str | os.PathLike, config: dict, step: int, watche
     """Write `<run>/config.json` atomically. When the same run (same `run_id`) is resumed, the `watched` settings
     that changed are appended to its `changes`: `{"step", "flag", "from", "to"}`. Returns the changes."""
     path = Path(run_dir) / "config.json"
-    before = json.loads(path.read_text()) if path.is_file() else {}
+    try:
+        before = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:  # damaged, in a folder no run had claimed (a resume refuses it, naming it, in `folder_run_id`)
+        before = {}
+    before = before if isinstance(before, dict) else {}
     changes = []
     if before.get("run_id") == config.get("run_id"):  # a resume of this run, not a new one
         changes = before.get("changes", []) + [{"step": step, "flag": k, "from": before[k], "to": config[k]}
@@ -1011,11 +1161,48 @@ def resolve_wandb_mode() -> str:
         return "disabled"
     return "online" if wandb_api_key_configured() else "offline"
 
+
+def wandb_server_problem(timeout: float = 3.0) -> str | None:
+    """Why the W&B server (`WANDB_BASE_URL`, else api.wandb.ai) does not answer within `timeout` seconds; None if it
+    answers. `wandb.init` online would otherwise wait for it about 90 s and then fail with a traceback. One HTTP
+    request (proxies of the environment honoured) in a thread, so that a hanging DNS lookup is bounded too."""
+    import urllib.error
+    import urllib.request
+
+    url = os.environ.get("WANDB_BASE_URL", "").strip() or "https://api.wandb.ai"
+    answers: list = []
+
+    def ask() -> None:
+        try:
+            urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
+            answers.append(None)
+        except urllib.error.HTTPError:  # an error status is an answer: the server is there
+            answers.append(None)
+        except Exception as err:  # URLError (refused, no route, no DNS), timeouts
+            answers.append(f"{url} does not answer ({getattr(err, 'reason', None) or err})")
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    thread.join(timeout)  # a lookup or connection still pending then is no answer
+    return answers[0] if answers else f"{url} does not answer within {timeout:g} s"
+
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #23e2345d
 def check_trackers(log_with: list[str]) -> None:
-    """`--log_with`, before anything starts: 'none' alone, and 'tensorboard' only if the package is installed."""
+    """`--log_with`, before anything starts: 'none' alone, 'tensorboard' only if the package is installed, and
+    'wandb' with a `WANDB_MODE` it can honour."""
     if "none" in log_with and len(log_with) > 1:
         raise UserInputError(f"--log_with {' '.join(log_with)}: 'none' means no tracker; give it alone")
+    if "wandb" in log_with:
+        try:
+            mode = resolve_wandb_mode()
+        except ValueError as err:
+            raise UserInputError(str(err)) from None
+        # WANDB_MODE=online without a key (only an explicit WANDB_MODE gives that) is refused rather than logged
+        # offline: the user asked for online logging, which cannot work here; refusing costs a second and is fixed at
+        # once, where a fallback would quietly contradict an explicit setting (W&B itself fails after seconds).
+        if mode == "online" and not wandb_api_key_configured():
+            raise UserInputError("WANDB_MODE=online but W&B has no API key here (WANDB_API_KEY or `wandb login`): "
+                                 "log in, or unset WANDB_MODE to log offline and upload later with `wandb sync`")
     if "tensorboard" in log_with and importlib.util.find_spec("tensorboard") is None:
         raise UserInputError("--log_with tensorboard needs the tensorboard package: pip install tensorboard "
                              "(or the project's [tensorboard] extra)")
@@ -1024,11 +1211,21 @@ def check_trackers(log_with: list[str]) -> None:
 def start_trackers(accelerator, project: str, config: dict, run_id: str, name: str, run_dir: str | os.PathLike) -> str:
     """`accelerator.init_trackers` for the trackers the `Accelerator` was built with: W&B in the mode of
     `resolve_wandb_mode` (never blocks) resuming run `run_id` (a resumed training run continues the same W&B
-    run), TensorBoard event files in `<run>/tensorboard/`. Says where offline logs go; returns the W&B mode."""
+    run), TensorBoard event files in `<run>/tensorboard/`. Says where offline logs go; returns the W&B mode.
+
+    Online with a key but a server that does not answer within 3 s (`wandb_server_problem`, asked on the main
+    process, which alone starts W&B), W&B logs offline and says so: no network is a property of the machine (compute
+    nodes often have none), not a mistake in the command, and a days-long run must not stop for its logger when the
+    offline files can be uploaded later."""
     mode = resolve_wandb_mode()
     logs = Path(run_dir) / "wandb"
     wandb = any(str(tracker) == "wandb" for tracker in accelerator.log_with)
-    if wandb and mode == "offline":
+    problem = wandb_server_problem() if wandb and mode == "online" and accelerator.is_main_process else None
+    if problem:
+        mode = "offline"
+        accelerator.print(f"W&B: {problem}, logging offline to {logs}; metrics.jsonl has every epoch; upload later "
+                          f"with `wandb sync {logs}/offline-run-*`", flush=True)
+    elif wandb and mode == "offline":
         accelerator.print(f"W&B: no API key found (WANDB_API_KEY or `wandb login`), logging offline to {logs}; "
                           f"metrics.jsonl has every epoch; upload later with `wandb sync {logs}/offline-run-*`", flush=True)
     elif wandb and mode == "disabled":

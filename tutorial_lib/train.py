@@ -9,6 +9,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,9 +20,9 @@ import torch.nn.functional as F
 from .accumulation import TinyCNN, loss_scale
 from .accel import (
     ClassificationMetrics, MetricsLogger, MissingPathError, NonFiniteGuard, NonFiniteLossError, StopRequest, TrainState,
-    UserInputError, atomic_write_text, build_accelerator, check_trackers, check_writable, claim_run_folder, cut_metrics,
-    format_metrics_table, merge_metrics, model_signature, read_metrics, resolve_resume_path, resume_state, run_outputs,
-    save_checkpoint, save_final_model, start_trackers, write_run_config)
+    UserInputError, atomic_write_text, build_accelerator, check_free_space, check_trackers, check_writable,
+    claim_run_folder, cut_metrics, format_metrics_table, merge_metrics, model_signature, read_metrics,
+    resolve_resume_path, resume_state, run_outputs, save_checkpoint, save_final_model, start_trackers, write_run_config)
 from .core import (
     HelpFormatter, OneLineParser, Progress, StepTimer, count_training_flops, global_batch_size, in_notebook,
     non_negative_float, non_negative_int, number_flag, parse_overrides, peak_flops_for, positive_float, positive_int)
@@ -32,12 +33,14 @@ from .optim import make_ema, param_groups
 from .schedules import build_scheduler, num_optimizer_steps, resume_with_flags, scaled_lr
 
 # %% auto #0
-__all__ = ['USER_ERRORS', 'TIMING_KEYS', 'WATCHED_FLAGS', 'RECIPE_V1', 'BadFlagError', 'build_model', 'Run', 'EpochResult',
-           'train_crop_size', 'train_resolution', 'train_step', 'train_one_epoch', 'log_step', 'save_run_checkpoint',
-           'evaluate', 'load_data', 'resolve_learning_rate', 'build_optimizer', 'build_training_scheduler', 'setup_run',
-           'resume_run', 'open_outputs', 'train_and_evaluate', 'report_skips', 'epoch_row', 'finish_run', 'train',
-           'model_name', 'check_args', 'check_paths', 'get_args_parser', 'add_run_and_data_flags',
-           'add_optimisation_flags', 'add_speed_and_checkpoint_flags', 'default_args', 'error_line', 'main']
+__all__ = ['USER_ERRORS', 'TIMING_KEYS', 'WARMUP_CAP', 'WATCHED_FLAGS', 'RECIPE_V1', 'BadFlagError', 'build_model', 'Run',
+           'EpochResult', 'train_crop_size', 'train_resolution', 'train_step', 'train_one_epoch', 'log_step',
+           'save_run_checkpoint', 'evaluate', 'load_data', 'resolve_learning_rate', 'build_optimizer',
+           'build_training_scheduler', 'checkpoint_size', 'setup_run', 'resume_run', 'open_outputs',
+           'train_and_evaluate', 'report_skips', 'epoch_row', 'finish_run', 'train', 'model_name', 'run_name',
+           'user_path', 'meta_model', 'input_size_error', 'smallest_input_size', 'check_input_sizes', 'check_args',
+           'check_paths', 'get_args_parser', 'add_run_and_data_flags', 'add_optimisation_flags',
+           'add_speed_and_checkpoint_flags', 'default_args', 'error_line', 'main']
 
 # %% ../notebooks/08_training_script.ipynb #774e706e
 class BadFlagError(UserInputError, ValueError):
@@ -79,6 +82,7 @@ class Run:
     peak_flops: float | None = None                      # for MFU; None on a CPU
     stop: StopRequest | None = None                      # SIGTERM/SIGUSR1: checkpoint and stop (06)
     flops_at: dict = field(default_factory=dict)         # training FLOPs per image at each resolution
+    checkpoint_bytes: int = 0                            # about the size of one checkpoint (`checkpoint_size`)
 
 
 @dataclass
@@ -207,7 +211,7 @@ def save_run_checkpoint(run: Run) -> Path:
     state = run.state
     meta = {**run.checkpoint_meta, "run_id": state.wandb_run_id, "epoch": state.epoch, "batches_done": state.batches_done}
     return save_checkpoint(run.accelerator, run.run_dir, state.global_step, state.state_dict(),
-                           run.args.keep_last_checkpoints, meta)
+                           run.args.keep_last_checkpoints, meta, size_hint=run.checkpoint_bytes or None)
 
 # %% ../notebooks/08_training_script.ipynb #91d24ec8
 def evaluate(model, criterion, val_loader, accelerator, num_classes: int, channels_last: bool = False) -> dict:
@@ -242,21 +246,32 @@ def load_data(args: argparse.Namespace) -> tuple:
     return EpochSeededDataset(train_ds, seed=args.seed), val_ds
 
 # %% ../notebooks/08_training_script.ipynb #66362890
+WARMUP_CAP = 0.25  # the derived warmup takes at most this fraction of the run: a short one must still train after it
+
+
 def resolve_learning_rate(args: argparse.Namespace, num_processes: int) -> argparse.Namespace:
     """A copy of `args` with the learning rate and warmup of this launch's global batch (05's linear scaling rule,
     Goyal et al. 2017): lr = --lr_base × global batch / --lr_base_batch unless --learning_rate is given, and a
-    warmup of 5 × (1 − 256 / global batch) epochs unless --lr_warmup_epochs is (none up to 256, ≈5 at 8k)."""
+    warmup of 5 × (1 − 256 / global batch) epochs unless --lr_warmup_epochs is (none up to 256, ≈5 at 8k), at most
+    `WARMUP_CAP` of the run (a 1-epoch run at 1,024 gets 0.25, not 3.75). `lr_derived` and `lr_warmup_derived` say
+    which of the two the flags did not give, so that an error about them can say where they came from."""
     global_batch = global_batch_size(args.batch_size, args.gradient_accumulation_steps, num_processes)
     resolved = argparse.Namespace(**vars(args))
+    resolved.lr_derived, resolved.lr_warmup_derived = args.learning_rate is None, args.lr_warmup_epochs is None
     if args.learning_rate is None:
         resolved.learning_rate = scaled_lr(global_batch, args.lr_base, args.lr_base_batch)
         resolved.lr_rule = f"lr {resolved.learning_rate:.4g} = {args.lr_base:g} x {global_batch} / {args.lr_base_batch}"
     else:
         resolved.lr_rule = f"lr {args.learning_rate:g} (--learning_rate; the scaling rule would give " \
                            f"{scaled_lr(global_batch, args.lr_base, args.lr_base_batch):.4g})"
+    capped = ""
     if args.lr_warmup_epochs is None:
-        resolved.lr_warmup_epochs = round(5 * max(0.0, 1 - 256 / global_batch), 2)
-    resolved.lr_rule += f", warmup {resolved.lr_warmup_epochs:g} epochs, global batch {global_batch}"
+        rule = round(5 * max(0.0, 1 - 256 / global_batch), 2)
+        resolved.lr_warmup_epochs = min(rule, round(WARMUP_CAP * args.epochs, 2))
+        if resolved.lr_warmup_epochs < rule:  # said at start: the rule alone would fill most of a short run
+            capped = f" (the rule's 5 x (1 - 256 / {global_batch}) = {rule:g}, capped at {WARMUP_CAP:.0%} of the " \
+                     f"{args.epochs}-epoch run)"
+    resolved.lr_rule += f", warmup {resolved.lr_warmup_epochs:g} epochs{capped}, global batch {global_batch}"
     return resolved
 
 
@@ -278,6 +293,18 @@ def build_training_scheduler(optimizer: torch.optim.Optimizer, args: argparse.Na
                            milestones=milestones, min_lr=args.lr_min)
 
 # %% ../notebooks/08_training_script.ipynb #ac50fc0f
+def checkpoint_size(model: nn.Module, args: argparse.Namespace, ema: nn.Module | None = None) -> int:
+    """About how many bytes one checkpoint of this run takes: weights and buffers, SGD's momentum buffer for every
+    parameter, the EMA's copy (--ema), and 64 KB for the small files (scheduler, RNG states, progress, manifest)."""
+    size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
+    total = size(model.state_dict().values()) + 64 * 1024
+    if args.momentum:
+        total += size(p for p in model.parameters() if p.requires_grad)
+    if ema is not None:
+        total += size(ema.state_dict().values())
+    return total
+
+
 def setup_run(args: argparse.Namespace, accelerator, model: nn.Module, train_loader, val_loader,
               num_classes: int, run_dir: str | os.PathLike) -> Run:
     """Prepare model, optimizer and loaders with Accelerate, then the schedule, `--compile` and `--ema`."""
@@ -306,7 +333,8 @@ def setup_run(args: argparse.Namespace, accelerator, model: nn.Module, train_loa
     return Run(args=args, accelerator=accelerator, run_dir=Path(run_dir), num_classes=num_classes, model=model,
                train_model=train_model, criterion=nn.CrossEntropyLoss(label_smoothing=args.label_smoothing),
                optimizer=optimizer, scheduler=scheduler, train_loader=train_loader, val_loader=val_loader, ema=ema,
-               checkpoint_meta=meta, peak_flops=peak_flops_for(device_name, args.peak_tflops))
+               checkpoint_meta=meta, peak_flops=peak_flops_for(device_name, args.peak_tflops),
+               checkpoint_bytes=checkpoint_size(accelerator.unwrap_model(model), args, ema))
 
 
 def resume_run(run: Run) -> None:
@@ -317,7 +345,8 @@ def resume_run(run: Run) -> None:
     args, accelerator, state = run.args, run.accelerator, run.state
     expect = {k: run.checkpoint_meta[k] for k in ("model", "num_classes", "model_signature")}
     layout = [accelerator.num_processes, args.batch_size, args.gradient_accumulation_steps]
-    if resume_state(accelerator, args.resume_from_checkpoint, run.run_dir, state, expect, layout) is None:
+    if resume_state(accelerator, args.resume_from_checkpoint, run.run_dir, state, expect, layout,
+                    accelerator.unwrap_model(run.model), run.optimizer) is None:  # tensors checked against these
         return
     schedule = run.scheduler.scheduler
     steps_per_epoch = num_optimizer_steps(len(run.train_loader), args.gradient_accumulation_steps, 1)
@@ -458,8 +487,9 @@ def train(args: argparse.Namespace) -> dict:
                                     [t for t in args.log_with if t != "none"] or None, run_dir)
     args = resolve_learning_rate(args, accelerator.num_processes)  # the LR of this global batch (05)
     check_args(args)  # every rule between flags, and the paths: before any data is read
-    lock = claim_run_folder(run_dir, fresh=not args.resume_from_checkpoint, overwrite=args.overwrite,
-                            accelerator=accelerator)  # one run per folder (06), before any data is read
+    explicit = args.resume_from_checkpoint not in (None, "", "latest")  # a checkpoint folder: it continues its own run
+    lock = claim_run_folder(run_dir, fresh=not args.resume_from_checkpoint, overwrite=args.overwrite, accelerator=accelerator,
+                            resume_from=args.resume_from_checkpoint if explicit else None)  # one run per folder (06)
     try:
         set_seed(args.seed)  # same initial weights on every process (DDP also broadcasts rank 0's)
         train_ds, val_ds = load_data(args)
@@ -476,6 +506,7 @@ def train(args: argparse.Namespace) -> dict:
             raise BadFlagError(f"--batch_size {args.batch_size}: {err}") from None
         run = setup_run(args, accelerator, build_model(args.model, num_classes, args.zero_init_residual), train_loader, val_loader,
                         num_classes, run_dir)
+        check_free_space(run_dir, run.checkpoint_bytes, accelerator)  # 06: now, not at the first save an epoch later
         resume_run(run)
         logger = open_outputs(run, len(train_ds), len(val_ds))
         start = time.perf_counter()
@@ -499,7 +530,91 @@ def model_name(text: str) -> str:
                                          f"one of e.g. resnet18, resnet50, mobilenet_v3_small ({len(available)} available)")
     return text
 
+
+def run_name(text: str) -> str:
+    """An argparse `type=` for `--experiment_name`: a folder inside `--working_directory`, normalised (`a/./b/` ->
+    `a/b`). Empty, `.`, absolute, or leading out of it (`..` first once normalised, as in `a/../..`) is refused: the run would write
+    into the working directory itself (and `--overwrite` move every other run aside with it) or outside it."""
+    name = os.path.normpath(text) if text.strip() else ""
+    fix = "name a folder inside it, e.g. --experiment_name resnet50_v1"
+    if not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is empty: the run's files would go into --working_directory itself, "
+                                         f"among its other runs; {fix}")
+    if os.path.isabs(name):
+        raise argparse.ArgumentTypeError(f"{text!r} is an absolute path, but the run folder is <working_directory>/"
+                                         "<experiment_name>: pass the parent folder as --working_directory and the last "
+                                         "part as --experiment_name")
+    if name == os.curdir:
+        raise argparse.ArgumentTypeError(f"{text!r} names --working_directory itself, where the other runs are; {fix}")
+    if name.split(os.sep)[0] == os.pardir:
+        raise argparse.ArgumentTypeError(f"{text!r} leads out of --working_directory (to {name}); {fix}, or choose "
+                                         "another --working_directory")
+    return name
+
+
+def user_path(text: str) -> str:
+    """An argparse `type=` for the path flags: `~` and `~user` expanded, as a shell does for an unquoted word but not
+    in `--flag=~/x`, in quotes, or in a config file or job script that passes the flag on."""
+    return os.path.expanduser(text)
+
 # %% ../notebooks/08_training_script.ipynb #a7b99c1b
+def meta_model(name: str) -> nn.Module | None:
+    """`name` built on the meta device: its layers and shapes without memory for weights or time to initialise them.
+    None for the few models whose constructors compute with tensors (torchvision's RegNets). Warnings of the
+    constructor are left to the real build, after the checks (a refused flag prints its one line only)."""
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return build_model(name, 2)
+    except NotImplementedError:
+        return None
+
+
+def input_size_error(net: nn.Module, size: int) -> str | None:
+    """What `net` raises on two `size` x `size` RGB images (None if nothing): a forward pass on the meta device, shapes
+    only, in eval mode."""
+    net.eval()
+    try:
+        with torch.no_grad():
+            net(torch.zeros(2, 3, size, size, device="meta"))
+    except (RuntimeError, ValueError, AssertionError, IndexError) as err:  # a pooling window bigger than its input, ViT's size
+        return " ".join(str(err).split()) or type(err).__name__
+    return None
+
+
+def smallest_input_size(net: nn.Module, upto: int = 1024) -> int | None:
+    """The smallest square image `net` accepts, found by bisection from the model itself (not from a table); None if
+    `upto` fails too (a model that takes one size only, like ViT's 224)."""
+    if input_size_error(net, upto):
+        return None
+    low, high = 0, upto  # low fails (0 px), high works
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if input_size_error(net, mid) else (low, mid)
+    return high
+
+
+def check_input_sizes(args: argparse.Namespace, net: nn.Module) -> None:
+    """Every image size the run feeds the model (its training crops, progressive resizing's, evaluation's) fits it:
+    at start, not once the data is read (for --val_img_size, a whole epoch later)."""
+    if args.min_res:  # every resolution of the progressive-resizing schedule
+        sizes = {res: f"progressive resizing (--min_res {args.min_res}, --max_res {args.max_res}) at {res} px"
+                 for res in {train_resolution(args, epoch) for epoch in range(args.epochs)}}
+    else:
+        sizes = {args.img_size: f"--img_size {args.img_size}"}
+    val = args.val_img_size or args.img_size
+    sizes.setdefault(val, f"--val_img_size {val}" if args.val_img_size else f"--img_size {val}")
+    for size, what in sorted(sizes.items()):
+        error = input_size_error(net, size)
+        if error is None:
+            continue
+        smallest = smallest_input_size(net)
+        if smallest is not None and size < smallest:
+            raise BadFlagError(f"{what} is too small for --model {args.model}: the smallest image it accepts is "
+                               f"{smallest} px (at {size} px: {error})")
+        raise BadFlagError(f"{what} does not fit --model {args.model} ({error})")
+
+
 def check_args(args: argparse.Namespace) -> None:
     """The rules that involve several flags, then the paths: before any data is read (cases in 11). Each flag's
     own value was checked where it is declared, by its `type=` (the command line and `default_args`)."""
@@ -512,29 +627,40 @@ def check_args(args: argparse.Namespace) -> None:
         except ValueError as err:
             raise BadFlagError(f"progressive resizing (--min_res, --max_res, --end_ramp, --start_ramp): {err}") from None
     check_trackers(args.log_with)  # 06: 'none' alone; tensorboard installed
-    if args.overwrite and args.resume_from_checkpoint:
-        raise BadFlagError("--overwrite moves the run in the folder aside and starts a new one; "
-                           "--resume_from_checkpoint continues it: give one of them")
+    run_dir = (Path(args.working_directory) / args.experiment_name).resolve()
+    if args.overwrite and args.resume_from_checkpoint:  # allowed: another run's checkpoint continued in this folder
+        checkpoint = Path(args.resume_from_checkpoint).resolve()
+        if args.resume_from_checkpoint == "latest" or run_dir in (checkpoint, *checkpoint.parents):
+            raise BadFlagError("--overwrite moves the run in the folder aside and starts a new one; "
+                               "--resume_from_checkpoint continues it: give one of them")
     if args.zero_init_residual and not args.model.startswith(("resnet", "resnext", "wide_resnet")):
         raise BadFlagError(f"--zero_init_residual is for torchvision's ResNets, not --model {args.model}")
-    if args.batch_size == 1:  # does the model normalise over the batch? (its layers on the meta device: no weights)
-        with torch.device("meta"):
-            layers = build_model(args.model, 2).modules()
-        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in layers):
+    net = meta_model(args.model)  # the model's layers and shapes, no weights (None: it cannot be built there)
+    if net is not None and args.batch_size == 1:  # does the model normalise over the batch?
+        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules()):
             raise BadFlagError(f"--batch_size 1 with --model {args.model}: BatchNorm normalises over the batch, so "
                                "one image per process has no batch statistics; use --batch_size 2 or more")
+    if net is not None:
+        check_input_sizes(args, net)
     if args.lr_warmup_epochs >= args.epochs:
         raise BadFlagError(f"--lr_warmup_epochs {args.lr_warmup_epochs:g} covers the whole run of {args.epochs} "
                            "epochs; use fewer warmup epochs")
     if args.lr_scheduler in ("cosine", "linear") and args.lr_min >= args.learning_rate:
-        raise BadFlagError(f"--lr_min {args.lr_min:g} must be below --learning_rate {args.learning_rate:g}: the "
-                           f"{args.lr_scheduler} schedule decays from the learning rate down to it")
+        lr = (f"the learning rate derived from the global batch ({args.lr_rule.split(',')[0]}; --learning_rate not "
+              "given)" if getattr(args, "lr_derived", False) else f"--learning_rate {args.learning_rate:g}")
+        raise BadFlagError(f"--lr_min {args.lr_min:g} must be below {lr}: the {args.lr_scheduler} schedule decays "
+                           "from the learning rate down to it")
     if args.lr_scheduler == "multistep":
         milestones = args.lr_milestones or []
         if not milestones or sorted(milestones) != milestones or milestones[-1] >= args.epochs:
             raise BadFlagError(f"--lr_scheduler multistep needs --lr_milestones: increasing epochs below --epochs "
                                f"{args.epochs} at which the LR is multiplied by --step_lr_decay, got {milestones}")
     if args.lr_scheduler == "onecycle" and not 0 < args.lr_warmup_epochs <= args.epochs / 2:
+        if getattr(args, "lr_warmup_derived", False):  # the user gave no warmup: say where this one came from
+            raise BadFlagError(f"--lr_scheduler onecycle rises during the warmup, but the warmup derived from the "
+                               f"global batch is {args.lr_warmup_epochs:g} epochs (5 x (1 - 256 / global batch), none "
+                               "up to 256): give --lr_warmup_epochs, more than 0 and at most half the run (e.g. "
+                               f"--lr_warmup_epochs {0.3 * args.epochs:g})")
         raise BadFlagError("--lr_scheduler onecycle rises during --lr_warmup_epochs: give it more than 0 and at most "
                            f"half the run (e.g. --lr_warmup_epochs {0.3 * args.epochs:g}), not {args.lr_warmup_epochs:g}")
     check_paths(args)
@@ -578,11 +704,13 @@ def get_args_parser(add_help: bool = True, exit_on_error: bool = True) -> argpar
 # %% ../notebooks/08_training_script.ipynb #53e98f12
 def add_run_and_data_flags(group, data) -> None:
     add, add_data, V1 = group.add_argument, data.add_argument, RECIPE_V1
-    add("--experiment_name", default="resnet50_imagenet", help="outputs go to <working_directory>/<experiment_name>/")
-    add("--working_directory", default="runs", help="parent folder of all runs")
-    add("--overwrite", action="store_true", help="a new run in a folder holding a run moves that run aside (never deletes)")
-    add("--path_to_data", default=str(embedded_data_path()), help="class folders (train/ and val/), parquet shards, a "
-        "save_to_disk folder or a Hub id such as ILSVRC/imagenet-1k (07) (default: the embedded CIFAR-10 subset)")
+    add("--experiment_name", type=run_name, default="resnet50_imagenet",
+        help="outputs go to <working_directory>/<experiment_name>/, a folder inside the working directory")
+    add("--working_directory", type=user_path, default="runs", help="parent folder of all runs")
+    add("--overwrite", action="store_true", help="a new run (or another run's checkpoint resumed) in a folder holding "
+        "a run moves that run aside (never deletes)")
+    add("--path_to_data", type=user_path, default=str(embedded_data_path()), help="class folders (train/ and val/), "
+        "parquet shards, a save_to_disk folder or a Hub id such as ILSVRC/imagenet-1k (07) (default: the embedded CIFAR-10 subset)")
     add("--num_classes", type=number_flag(int, 2), default=None, help="inferred from the data; if given it must match")
     add("--model", type=model_name, default=V1["model"], help="torchvision model name, or 'tinycnn'")
     add("--seed", type=non_negative_int, default=0, help="seeds weights, data order and augmentation")
@@ -658,7 +786,8 @@ def add_speed_and_checkpoint_flags(group, checkpoints) -> None:
     add_checkpoint("--save_checkpoint_interval", type=positive_int, default=1, help="epochs between checkpoints (and at the end)")
     add_checkpoint("--checkpoint_every_steps", type=positive_int, default=None, help="also every N optimizer steps, mid-epoch")
     add_checkpoint("--keep_last_checkpoints", type=positive_int, default=2, help="older checkpoints are deleted")
-    add_checkpoint("--resume_from_checkpoint", default=None, help="a checkpoint folder, or 'latest' (fresh if there is none)")
+    add_checkpoint("--resume_from_checkpoint", type=user_path, default=None,
+                   help="a checkpoint folder, or 'latest' (fresh if there is none)")
     add_checkpoint("--stop_after_steps", type=positive_int, default=None,
                    help="checkpoint and stop after this many optimizer steps in all (simulates a preemption)")
     add_checkpoint("--inject_nan_at_steps", type=positive_int, nargs="*", default=None,
