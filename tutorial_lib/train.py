@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -835,9 +837,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_command_line(argv: list[str] | None = None) -> int:
     """Parse, train, and turn each documented outcome into its exit status and at most one line on stderr."""
-    args = get_args_parser().parse_args(argv)
     rank = os.environ.get("RANK")
     main_process = rank in (None, "0")
+    with contextlib.redirect_stderr(sys.stderr if main_process else io.StringIO()):  # a bad flag: process 0 says it
+        args = get_args_parser().parse_args(argv)
     try:
         return train(args)["exit_status"]
     except (NonFiniteLossError, *USER_ERRORS) as err:
@@ -845,14 +848,14 @@ def run_command_line(argv: list[str] | None = None) -> int:
             where = "" if main_process else f" (process {rank})"
             print(f"tutorial-train: error{where}: {error_line(err)}", file=sys.stderr, flush=True)
         return 3 if isinstance(err, NonFiniteLossError) else 2
-    except KeyboardInterrupt as err:  # a second Ctrl-C (06's StopAtOnce), or Ctrl-C before training started
+    except KeyboardInterrupt as err:  # a second Ctrl-C (06's StopAtOnce), or Ctrl-C outside the training loop
         if main_process:
             if isinstance(err, StopAtOnce):
                 last = latest_checkpoint(Path(args.working_directory) / args.experiment_name)
                 line = (f"stopped at once by a second Ctrl-C, without a checkpoint; the last one is {last or 'none'}: "
                         "resume with --resume_from_checkpoint latest")
             else:
-                line = "interrupted by Ctrl-C before training started: nothing to save"
+                line = "interrupted by Ctrl-C outside the training loop: nothing in progress to save"
             print(f"tutorial-train: {line}", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
 
