@@ -417,8 +417,8 @@ def assert_user_error(result: CliResult, message: str, code: int = 2) -> None:
 STRESS_RUN = dict(model="tinycnn", img_size=16, epochs=3, batch_size=8, learning_rate=0.05, lr_scheduler="cosine",
                   lr_warmup_epochs=0.5, num_workers=0, cpu=True, log_with="none", disable_progress_bar=True,
                   checkpoint_every_steps=2, keep_last_checkpoints=2, log_interval=0, seed=0)
-KILL_KINDS = ("during_save", "after_save", "random_time", "final_save", "sigterm", "sigint")
-KILL_WEIGHTS = (6, 2, 2, 1, 4, 1)  # of 16 kills: 6 SIGKILLs during a save, 5 other SIGKILLs, 4 SIGTERMs, 1 Ctrl-C
+KILL_KINDS = ("during_save", "after_save", "random_time", "final_save", "sigint", "sigterm")
+KILL_WEIGHTS = (6, 2, 2, 1, 1, 2)  # of 14 kills: 6 SIGKILLs during a save, 5 other SIGKILLs, 1 Ctrl-C, 2 SIGTERMs
 POLITE = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT}  # the kinds that ask for a stop with a checkpoint
 
 
@@ -694,12 +694,12 @@ def stress_resume(trials: int = 10, seed: int = 0, workdir: str | os.PathLike | 
     when its `model.safetensors` is byte for byte the reference's and `metrics.jsonl` matches, and
     every SIGTERM (Ctrl-C) ended its run with exit 143 (130) after a checkpoint of the step it named. `kinds`
     restricts the kills (e.g. `("sigterm",)`). The last `accelerate_trials` trials start every run under a
-    one-process `accelerate launch`, alternately with 1gpu.yaml (torchrun's agent) and `--num_processes 1` (a
-    plain subprocess); their signals go to the launcher, Ctrl-C to its whole process group."""
+    one-process `accelerate launch`, alternately with `--num_processes 1` (a plain subprocess) and 1gpu.yaml
+    (torchrun's agent); their signals go to the launcher, Ctrl-C to its whole process group."""
     unknown = sorted(set(kinds) - set(KILL_KINDS))
     if unknown or not kinds:
         raise ValueError(f"kinds must be some of {KILL_KINDS}, got {tuple(kinds)}")
-    launched = [("accelerate_1gpu", "accelerate")[k % 2] for k in range(min(trials, accelerate_trials))]
+    launched = [("accelerate", "accelerate_1gpu")[k % 2] for k in range(min(trials, accelerate_trials))]
     launchers = [launcher] * (trials - len(launched)) + launched
     workdir = Path(workdir or tempfile.mkdtemp(prefix="tutorial-stress-"))
     data_dir = Path(data_dir) if data_dir else make_image_folder(workdir / "data")
@@ -753,7 +753,7 @@ def get_args_parser() -> argparse.ArgumentParser:
                              "imported it once (same main(), seconds faster)")
     resume.add_argument("--accelerate_trials", type=non_negative_int, default=2,
                         help="the last N trials start each run under a one-process `accelerate launch`, alternately "
-                             "with 1gpu.yaml (torchrun's agent) and --num_processes 1 (a plain subprocess); signals go "
+                             "with --num_processes 1 (a plain subprocess) and 1gpu.yaml (torchrun's agent); signals go "
                              "to the launcher")
     resume.add_argument("--workdir", default=None,
                         help="where the runs go; none: a new temporary folder, deleted at the end when every trial passed")
