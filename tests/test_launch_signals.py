@@ -308,13 +308,15 @@ def test_ctrl_c_in_a_terminal_checkpoints_exits_130_with_one_line_and_resumes_id
 
 
 @pytest.mark.slow
-def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint_in_one_line(tmp_path, data):
+def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint_in_one_line(tmp_path):
     """12 micro-batches of ResNet18 at 128 px make the first optimizer step last seconds: time to press again."""
+    data = make_image_folder(tmp_path / "data")  # 96 training images: 12 batches of 8, one optimizer step per epoch
     slow = dict(BASE, model="resnet18", img_size=128, batch_size=8, gradient_accumulation_steps=12, epochs=1)
     proc = start(tmp_path, data, "slow", "python", slow)
     config, deadline = tmp_path / "runs" / "slow" / "config.json", time.time() + 240
     while not config.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)  # written just before the training loop
+    assert proc.poll() is None, proc.result(10).stderr[-3000:]
     time.sleep(0.5)
     assert proc.interrupt(timeout=1.5) is None, "the first Ctrl-C lets the step in progress finish"
     sent = time.perf_counter()
@@ -369,3 +371,14 @@ def test_launchers_are_recognised_by_their_command_line():
     assert launcher_name(["/v/bin/python", "/v/bin/torchrun", "--nproc_per_node", "2", "x.py"]) == "torchrun"
     assert launcher_name(["python", "-m", "torch.distributed.run", "x.py"]) == "torch.distributed.run"
     assert launcher_name(["/bin/bash"]) is None and launcher_name(["python", "-m", "ipykernel_launcher"]) is None
+
+
+def test_the_default_stress_run_draws_ctrl_c_and_runs_its_last_trials_under_accelerate_launch():
+    """`python -m tutorial_lib.stress resume --trials 10`: seeded plans (18 saves) with Ctrl-C kills beside SIGTERM and
+    SIGKILL, and its last 2 trials under a one-process `accelerate launch`, one of each kind."""
+    from tutorial_lib.stress import get_args_parser, trial_kill_plans
+
+    kinds = [p.kind for t in range(10) for p in trial_kill_plans(0, t, 3, 18, 1.5)]
+    assert kinds.count("sigint") >= 2 and kinds.count("sigterm") >= 5 and kinds.count("during_save") >= 10, kinds
+    args = get_args_parser().parse_args(["resume"])
+    assert (args.trials, args.accelerate_trials) == (10, 2)

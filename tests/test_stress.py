@@ -126,14 +126,14 @@ def test_stress_command_line_refuses_bad_values_in_one_line():
     from tutorial_lib.stress import main
     for argv, message in [(["resume", "--kills_per_trial", "-1"], "--kills_per_trial must be >= 0, got -1"),
                           (["resume", "--epochs", "0"], "--epochs must be >= 1, got 0"),
-                          (["resume", "--kinds", "sigint"], "--kinds invalid choice: 'sigint' (choose from "
+                          (["resume", "--kinds", "sighup"], "--kinds invalid choice: 'sighup' (choose from "
                                                             "'during_save', 'after_save', 'random_time', 'final_save', "
-                                                            "'sigterm')")]:
+                                                            "'sigint', 'sigterm')")]:
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         assert exit_.value.code == 2, argv
     with pytest.raises(ValueError, match="kinds must be some of"):
-        stress_resume(trials=1, kinds=("sigint",))
+        stress_resume(trials=1, kinds=("sighup",))
 
 
 
