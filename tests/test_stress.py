@@ -140,7 +140,8 @@ def test_stress_command_line_refuses_bad_values_in_one_line():
 def test_stress_command_line_deletes_its_temporary_folder_when_every_trial_passed():
     with short_tmpdir() as tmp:
         done = subprocess.run([sys.executable, "-m", "tutorial_lib.stress", "resume", "--trials", "1", "--kills_per_trial",
-                               "1", "--epochs", "1", "--launcher", "fork"], capture_output=True, text=True,
+                               "1", "--epochs", "1", "--launcher", "fork", "--accelerate_trials", "0"],
+                              capture_output=True, text=True,
                               env=child_env(TMPDIR=str(tmp)), timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         assert "1/1 trials identical" in done.stdout
