@@ -375,10 +375,10 @@ def test_launchers_are_recognised_by_their_command_line():
 
 def test_the_default_stress_run_draws_ctrl_c_and_runs_its_last_trials_under_accelerate_launch():
     """`python -m tutorial_lib.stress resume --trials 10`: seeded plans (18 saves) with Ctrl-C kills beside SIGTERM and
-    SIGKILL, and its last 2 trials under a one-process `accelerate launch`, one of each kind."""
+    SIGKILL, and its last 3 trials under a one-process `accelerate launch`, of both kinds."""
     from tutorial_lib.stress import get_args_parser, trial_kill_plans
 
     kinds = [p.kind for t in range(10) for p in trial_kill_plans(0, t, 3, 18, 1.5)]
     assert kinds.count("sigint") >= 2 and kinds.count("sigterm") >= 5 and kinds.count("during_save") >= 10, kinds
     args = get_args_parser().parse_args(["resume"])
-    assert (args.trials, args.accelerate_trials) == (10, 2)
+    assert (args.trials, args.accelerate_trials) == (10, 3)

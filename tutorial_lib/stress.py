@@ -751,7 +751,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     resume.add_argument("--launcher", choices=["python", "fork"], default="python",
                         help="python: each run is `python -m tutorial_lib.train`; fork: forked from a process that "
                              "imported it once (same main(), seconds faster)")
-    resume.add_argument("--accelerate_trials", type=non_negative_int, default=2,
+    resume.add_argument("--accelerate_trials", type=non_negative_int, default=3,
                         help="the last N trials start each run under a one-process `accelerate launch`, alternately "
                              "with --num_processes 1 (a plain subprocess) and 1gpu.yaml (torchrun's agent); signals go "
                              "to the launcher")
