@@ -126,21 +126,22 @@ def test_stress_command_line_refuses_bad_values_in_one_line():
     from tutorial_lib.stress import main
     for argv, message in [(["resume", "--kills_per_trial", "-1"], "--kills_per_trial must be >= 0, got -1"),
                           (["resume", "--epochs", "0"], "--epochs must be >= 1, got 0"),
-                          (["resume", "--kinds", "sigint"], "--kinds invalid choice: 'sigint' (choose from "
+                          (["resume", "--kinds", "sighup"], "--kinds invalid choice: 'sighup' (choose from "
                                                             "'during_save', 'after_save', 'random_time', 'final_save', "
-                                                            "'sigterm')")]:
+                                                            "'sigint', 'sigterm')")]:
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         assert exit_.value.code == 2, argv
     with pytest.raises(ValueError, match="kinds must be some of"):
-        stress_resume(trials=1, kinds=("sigint",))
+        stress_resume(trials=1, kinds=("sighup",))
 
 
 
 def test_stress_command_line_deletes_its_temporary_folder_when_every_trial_passed():
     with short_tmpdir() as tmp:
         done = subprocess.run([sys.executable, "-m", "tutorial_lib.stress", "resume", "--trials", "1", "--kills_per_trial",
-                               "1", "--epochs", "1", "--launcher", "fork"], capture_output=True, text=True,
+                               "1", "--epochs", "1", "--launcher", "fork", "--accelerate_trials", "0"],
+                              capture_output=True, text=True,
                               env=child_env(TMPDIR=str(tmp)), timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         assert "1/1 trials identical" in done.stdout

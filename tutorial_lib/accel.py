@@ -31,17 +31,18 @@ import torch
 from .core import free_port
 
 # %% auto #0
-__all__ = ['IGNORE_LABEL', 'CHECKPOINT_FORMAT', 'MANIFEST', 'PROGRESS_FILE', 'RUN_LOCK', 'RUN_OUTPUTS', 'WANDB_MODES',
-           'launch_with_timeout', 'launched_threads', 'MetricsLogger', 'read_metrics', 'format_metrics_table',
-           'UserInputError', 'LaunchError', 'overlapping_copies', 'build_accelerator', 'ClassificationMetrics',
-           'merge_metrics', 'MissingPathError', 'CheckpointError', 'RunFolderError', 'checkpoint_root',
-           'list_checkpoints', 'incomplete_checkpoints', 'latest_checkpoint', 'fsync_path', 'atomic_write_text',
-           'sha256_file', 'model_signature', 'DiskFullError', 'format_bytes', 'check_free_space', 'follow_umask',
-           'save_checkpoint', 'save_final_model', 'verify_checkpoint', 'load_checkpoint', 'resolve_resume_path',
-           'TrainState', 'folder_run_id', 'resume_state', 'RunLock', 'run_outputs', 'check_writable',
-           'claim_run_folder', 'write_run_config', 'cut_metrics', 'NonFiniteLossError', 'NonFiniteGuard', 'StopRequest',
-           'wandb_api_key_configured', 'resolve_wandb_mode', 'wandb_server_problem', 'check_trackers', 'start_trackers',
-           'read_wandb_offline_run']
+__all__ = ['IGNORE_LABEL', 'CHECKPOINT_FORMAT', 'MANIFEST', 'PROGRESS_FILE', 'RUN_LOCK', 'RUN_OUTPUTS', 'LAUNCHERS',
+           'EXIT_STATUS_ENV', 'WANDB_MODES', 'launch_with_timeout', 'launched_threads', 'MetricsLogger', 'read_metrics',
+           'format_metrics_table', 'UserInputError', 'LaunchError', 'overlapping_copies', 'build_accelerator',
+           'ClassificationMetrics', 'merge_metrics', 'MissingPathError', 'CheckpointError', 'RunFolderError',
+           'checkpoint_root', 'list_checkpoints', 'incomplete_checkpoints', 'latest_checkpoint', 'fsync_path',
+           'atomic_write_text', 'sha256_file', 'model_signature', 'DiskFullError', 'format_bytes', 'check_free_space',
+           'follow_umask', 'save_checkpoint', 'save_final_model', 'verify_checkpoint', 'load_checkpoint',
+           'resolve_resume_path', 'TrainState', 'folder_run_id', 'resume_state', 'RunLock', 'run_outputs',
+           'check_writable', 'claim_run_folder', 'write_run_config', 'cut_metrics', 'NonFiniteLossError',
+           'NonFiniteGuard', 'StopAtOnce', 'StopRequest', 'launcher_name', 'follow_launcher', 'record_exit_status',
+           'read_exit_status', 'wandb_api_key_configured', 'resolve_wandb_mode', 'wandb_server_problem',
+           'check_trackers', 'start_trackers', 'read_wandb_offline_run']
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #8f8d11a1
 def launch_with_timeout(fn, args: tuple = (), num_processes: int = 2, timeout: float | None = None,
@@ -50,7 +51,11 @@ def launch_with_timeout(fn, args: tuple = (), num_processes: int = 2, timeout: f
     seconds has its workers killed and is started again, `attempts` starts at most (06).
 
     For launches whose normal duration you know (a fork can inherit a held lock and hang for good,
-    see 06); `timeout=None` waits as long as the launch takes."""
+    see 06); `timeout=None` waits as long as the launch takes. A signal to this process while several
+    processes run (SIGTERM, Ctrl-C) reaches them: torch's agent inside `notebook_launcher` passes it on and
+    waits for them (up to `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, 30 s by default), so a training run checkpoints and
+    stops; then this raises `SystemExit(128 + the signal's number)`, `KeyboardInterrupt` for Ctrl-C. The
+    handlers the agent installs in this process are removed afterwards."""
     from accelerate import notebook_launcher
 
     for attempt in range(1, attempts + 1):
@@ -67,16 +72,35 @@ def launch_with_timeout(fn, args: tuple = (), num_processes: int = 2, timeout: f
             timer.daemon = True
             timer.start()
         try:
-            with launched_threads(num_processes), contextlib.redirect_stdout(_WithoutLaunchBanner(sys.stdout)):
+            with launched_threads(num_processes), contextlib.redirect_stdout(_WithoutLaunchBanner(sys.stdout)), \
+                    _signal_handlers_kept():
                 notebook_launcher(fn, args, num_processes=num_processes, use_port=str(free_port()))
             return
-        except Exception:
+        except Exception as err:
+            signum = getattr(err, "sigval", None)  # torch's SignalException: this process received a signal
+            if signum is not None:
+                if signum == signal.SIGINT:
+                    raise KeyboardInterrupt from None
+                raise SystemExit(128 + int(signum)) from None
             if not timed_out.is_set() or attempt == attempts:
                 raise
             print(f"launch {attempt} of {attempts} still ran after {timeout:g} s: killed; starting again", flush=True)
         finally:
             if timer:
                 timer.cancel()
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept(names: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")):
+    """Put back this process's handlers of `names` on exit (torch's agent replaces them and leaves its own)."""
+    main = threading.current_thread() is threading.main_thread()
+    kept = {name: signal.getsignal(getattr(signal, name)) for name in names if main and hasattr(signal, name)}
+    try:
+        yield
+    finally:
+        for name, handler in kept.items():
+            if handler is not None:
+                signal.signal(getattr(signal, name), handler)
 
 
 def launched_threads(num_processes: int):
@@ -1077,24 +1101,38 @@ class NonFiniteGuard:
                 "pass --on_nonfinite_loss skip to skip such steps")
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #f25e1ba3
+class StopAtOnce(KeyboardInterrupt):
+    """A second Ctrl-C: `StopRequest` raises it wherever the process is, without a checkpoint (06)."""
+
+
 class StopRequest:
-    """SIGTERM or SIGUSR1, what SLURM and Kubernetes send before they kill a job, turned into a clean stop (06, 11).
+    """SIGTERM or SIGUSR1 (what SLURM and Kubernetes send before they kill a job) and Ctrl-C (SIGINT), turned into a
+    clean stop (06, 11).
 
     The signal handler only sets a flag; after each optimizer step the loop asks `requested(step)`, then
-    checkpoints and stops. With several processes all must stop at the same step, so the flag is summed
-    over the processes every `every` optimizer steps (one tiny all-reduce and one host sync), and every
-    process learns that some process was asked to stop. Use it as a context manager: the previous
-    handlers are back at exit. `exit_status` is what a process killed by the signal would return (128 +
-    its number: 143 for SIGTERM), so a scheduler still sees a terminated job, with its checkpoint saved."""
+    checkpoints and stops. With several processes all must stop at the same step, so the flag is summed over
+    the processes every `every` optimizer steps (one tiny all-reduce and one host sync), and every process
+    learns that some process was asked to stop. A second Ctrl-C stops at once: `StopAtOnce` (a
+    `KeyboardInterrupt`) is raised wherever the process is, nothing saved. A SIGINT within `same_press` seconds
+    of the first is that same Ctrl-C arriving twice (a terminal sends it to every process of its foreground
+    group, and a launcher there passes it on again). A forked child (a data loader worker) that inherited the
+    handler ignores the signals: the process that entered decides. Use it as a context manager: the previous
+    handlers are back at exit. `exit_status` is what a process killed by the signal would return (128 + its
+    number: 143 SIGTERM, 138 SIGUSR1, 130 SIGINT), so a scheduler still sees a terminated job, with its
+    checkpoint saved."""
 
-    def __init__(self, accelerator, every: int = 10, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")):
-        self.accelerator, self.every, self.signals = accelerator, every, signals
-        self.received: str | None = None  # the signal this process received, if any
+    def __init__(self, accelerator, every: int = 10, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"),
+                 same_press: float = 1.0):
+        self.accelerator, self.every, self.signals, self.same_press = accelerator, every, signals, same_press
+        self.received: str | None = None  # the first signal this process received, if any
         self.stopped = False              # `requested` said yes: the run stops
         self._previous: dict = {}
+        self._owner: int | None = None    # the process that entered
+        self._interrupted_at: float | None = None  # time of the first Ctrl-C
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():  # Python sets handlers in the main thread only
+            self._owner = os.getpid()
             for name in self.signals:
                 if hasattr(signal, name):
                     self._previous[name] = signal.signal(getattr(signal, name), self._handle)
@@ -1106,7 +1144,28 @@ class StopRequest:
         self._previous = {}
 
     def _handle(self, signum, frame) -> None:
-        self.received = signal.Signals(signum).name
+        if os.getpid() != self._owner:  # a forked data loader worker: its parent process decides
+            return
+        name = signal.Signals(signum).name
+        if name == "SIGINT":
+            now = time.monotonic()
+            if self._interrupted_at is None:
+                self._interrupted_at = now
+                self._say("Ctrl-C: stopping after this optimizer step, with a checkpoint; "
+                          "press Ctrl-C again to stop at once, without one")
+            elif now - self._interrupted_at >= self.same_press:  # a second Ctrl-C, not the first one twice
+                self.__exit__()  # the previous handlers are back: a third Ctrl-C is a plain KeyboardInterrupt
+                raise StopAtOnce("a second Ctrl-C: stopped at once, without a checkpoint")
+        self.received = self.received or name
+
+    def _say(self, text: str) -> None:
+        """One line on stderr from the main process, written straight to the file descriptor: a signal handler
+        can run in the middle of another write to `sys.stderr`, which a second write would break."""
+        if _is_main_process(self.accelerator):
+            try:
+                os.write(2, f"{text}\n".encode())
+            except OSError:
+                pass
 
     def requested(self, step: int) -> bool:
         """After optimizer step `step`: stop now? The same answer on every process."""
@@ -1126,6 +1185,85 @@ class StopRequest:
         if not self.stopped:
             return ""
         return f" ({self.received or 'a signal to another process'}): checkpoint saved, resume with --resume_from_checkpoint latest"
+
+# %% ../notebooks/06_accelerate_fundamentals.ipynb #026379fa
+LAUNCHERS = ("accelerate launch", "accelerate-launch", "accelerate.commands.launch", "torchrun", "torch.distributed.run",
+             "torch.distributed.launch")  # how the launchers appear in their own command line
+
+
+def launcher_name(cmdline: list[str]) -> str | None:
+    """The launcher a command line runs (one of `LAUNCHERS`: `accelerate launch`, `torchrun`, ...), or None (06)."""
+    words = [Path(word).name for word in cmdline]
+    for i, word in enumerate(words):
+        for name in (word, " ".join(words[i:i + 2])):
+            if name in LAUNCHERS:
+                return name
+    return None
+
+
+_FOLLOWED: dict[int, str | None] = {}  # process id -> the launcher it follows (None: started by something else)
+
+
+def follow_launcher(poll_s: float = 0.2) -> str | None:
+    """If a launcher (`accelerate launch`, torchrun) started this process, send this process a SIGTERM when that
+    launcher is gone, as if the launcher had passed its own signal on (06). Inside a `StopRequest` that is a polite
+    stop with a checkpoint; before training there is nothing to lose. accelerate's one-process launcher is a plain
+    subprocess that dies of a SIGTERM at once, without passing it on: this is how its training process still hears
+    it. Returns the launcher's name, or None (then nothing is watched). Once per process."""
+    import psutil
+
+    me = os.getpid()
+    if me in _FOLLOWED:
+        return _FOLLOWED[me]
+    parent = os.getppid()
+    try:
+        name = launcher_name(psutil.Process(parent).cmdline())
+    except psutil.Error:
+        name = None
+    if name:
+        def watch() -> None:
+            while os.getppid() == parent:  # an orphan is adopted by another process: its parent changes
+                time.sleep(poll_s)
+            os.kill(me, signal.SIGTERM)
+
+        threading.Thread(target=watch, name="follow-launcher", daemon=True).start()
+    _FOLLOWED[me] = name
+    return name
+
+
+EXIT_STATUS_ENV = "TUTORIAL_EXIT_STATUS_FILE"
+
+
+def record_exit_status(status: int) -> None:
+    """Write this process's exit status to the file named by `$TUTORIAL_EXIT_STATUS_FILE`, if set (06, 11).
+
+    `accelerate launch` turns every non-zero status of its processes into 1 (with its own traceback): a job script
+    that must tell a polite stop (143) from a bad input (2) reads this file instead. The main process's status
+    wins; another process writes only into an empty place (e.g. the one that met a bad file while process 0 failed
+    otherwise). Written whole (a temporary file, then a rename); a file that cannot be written is skipped."""
+    path = os.environ.get(EXIT_STATUS_ENV)
+    if not path:
+        return
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        Path(tmp).write_text(f"{int(status)}\n")
+        if _is_main_process():
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)  # fails if the file exists: process 0's status, or another's, is already there
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def read_exit_status(path: str | os.PathLike) -> int | None:
+    """The status `record_exit_status` wrote to `path`, or None if there is none."""
+    try:
+        return int(Path(path).read_text().strip())
+    except (OSError, ValueError):
+        return None
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #556d5937
 WANDB_MODES = ("online", "offline", "disabled")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -21,15 +22,17 @@ from pathlib import Path
 
 import numpy as np
 
-from .accel import sha256_file
-from .core import HelpFormatter, OneLineParser, in_notebook, non_negative_int, positive_int
+from .accel import EXIT_STATUS_ENV, read_exit_status, sha256_file
+from .core import (HelpFormatter, OneLineParser, config_path, free_port, in_notebook, non_negative_int,
+                               positive_int)
 
 # %% auto #0
-__all__ = ['BAD_FILE_KINDS', 'FORK_PRELOAD', 'STRESS_RUN', 'KILL_KINDS', 'KILL_WEIGHTS', 'make_image_folder', 'corrupt_image',
-           'first_files_of_process', 'CliResult', 'child_env', 'as_flags', 'enter_small_disk', 'can_mount_small_disk',
-           'stop_fork_server', 'TrainingProcess', 'run_cli', 'assert_user_error', 'checkpoint_folders', 'KillPlan',
-           'KillRecord', 'draw_kill_plan', 'trial_kill_plans', 'scale_kill_plan', 'stopped_at_step', 'watch_and_kill',
-           'TrialResult', 'metrics_match', 'sigterm_problem', 'run_trial', 'stress_resume', 'get_args_parser', 'main']
+__all__ = ['BAD_FILE_KINDS', 'FORK_PRELOAD', 'ACCELERATE_LAUNCHES', 'STRESS_RUN', 'KILL_KINDS', 'KILL_WEIGHTS', 'POLITE',
+           'LAUNCHED_AS', 'make_image_folder', 'corrupt_image', 'first_files_of_process', 'CliResult', 'child_env',
+           'as_flags', 'enter_small_disk', 'can_mount_small_disk', 'stop_fork_server', 'accelerate_launch_args',
+           'TrainingProcess', 'run_cli', 'assert_user_error', 'checkpoint_folders', 'KillPlan', 'KillRecord',
+           'draw_kill_plan', 'trial_kill_plans', 'scale_kill_plan', 'stopped_at_step', 'watch_and_kill', 'TrialResult',
+           'metrics_match', 'sigterm_problem', 'run_trial', 'stress_resume', 'get_args_parser', 'main']
 
 # %% ../notebooks/11_reliability.ipynb #b4367a58
 def make_image_folder(root: str | os.PathLike, classes: int = 4, train_per_class: int = 24, val_per_class: int = 6,
@@ -99,6 +102,7 @@ class CliResult:
     stderr: str
     seconds: float
     killed: bool = False
+    launcher_returncode: int | None = None  # under `accelerate launch`: the launcher's exit code (returncode: the script's)
 
     @property
     def stderr_lines(self) -> list[str]:
@@ -107,6 +111,13 @@ class CliResult:
     @property
     def has_traceback(self) -> bool:
         return "Traceback (most recent call last)" in self.stderr + self.stdout
+
+    @property
+    def script_traceback(self) -> bool:
+        """A traceback through the course's code. Under `accelerate launch` the launcher prints one of its own whenever
+        a process exits non-zero; that one runs through accelerate and torch only."""
+        here = f"{os.sep}tutorial_lib{os.sep}"
+        return any(line.lstrip().startswith('File "') and here in line for line in (self.stderr + self.stdout).splitlines())
 
 
 def child_env(**extra: str) -> dict:
@@ -216,26 +227,61 @@ def stop_fork_server() -> None:
         helper._stop()  # returns at once when that process is not running
 
 
+ACCELERATE_LAUNCHES = {  # launcher -> what `accelerate launch` is given (the script's own flags say --cpu)
+    "accelerate": ["--num_processes", "1"],  # one process, started as a plain subprocess
+    "accelerate_1gpu": ["--config_file", "1gpu.yaml", "--mixed_precision", "no"],  # one process, torchrun's agent
+    "accelerate_2proc": ["--multi_gpu", "--num_processes", "2"],  # two gloo processes, torchrun's agent
+}  # (1gpu.yaml's bf16 is meant for a GPU: "no" keeps these runs in fp32, like the others)
+
+
+def accelerate_launch_args(launcher: str) -> list[str]:
+    """The `accelerate launch` arguments of `launcher` (one of `ACCELERATE_LAUNCHES`), on a free port."""
+    args = [str(config_path(a)) if a.endswith(".yaml") else a for a in ACCELERATE_LAUNCHES[launcher]]
+    return [*args, "--main_process_port", str(free_port())]
+
+
+def _running(process) -> bool:
+    """Whether a `psutil.Process` still runs (a zombie does not; psutil tells a reused pid from the old process)."""
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 class TrainingProcess:
     """One run of a command line in its own process: `python -m tutorial_lib.train` (`launcher="python"`), or
     forked from a server that already imported the library (`launcher="fork"`: the same `main`, no import
-    cost). `module` picks another command line (e.g. `tutorial_lib.data`); `small_disk=(folder, size)` runs
-    it with a full-disk test mount on `folder` (`enter_small_disk`).
+    cost), or under `accelerate launch` (`launcher` one of `ACCELERATE_LAUNCHES`). `module` picks another command
+    line (e.g. `tutorial_lib.data`); `small_disk=(folder, size)` runs it with a full-disk test mount on `folder`
+    (`enter_small_disk`).
 
+    Under `accelerate launch` signals go to the launcher, as a scheduler sends them; the run lasts until every
+    process of the launch has ended (a launcher that died can leave its training process running), and its exit
+    code is the script's own (06's `$TUTORIAL_EXIT_STATUS_FILE`), the launcher's is `launcher_returncode`.
     Output goes to files (`log_prefix`.out/.err) so the process never blocks on a full pipe."""
 
     def __init__(self, argv: list[str], log_prefix: str | os.PathLike, launcher: str = "python",
                  cwd: str | os.PathLike | None = None, env: dict | None = None, module: str = "tutorial_lib.train",
                  small_disk: tuple[str | os.PathLike, str] | None = None):
-        if launcher not in ("python", "fork"):
-            raise ValueError(f"launcher must be 'python' or 'fork', got {launcher!r}")
+        if launcher not in ("python", "fork", *ACCELERATE_LAUNCHES):
+            raise ValueError(f"launcher must be 'python', 'fork' or one of {tuple(ACCELERATE_LAUNCHES)}, got {launcher!r}")
         self.out_path, self.err_path = Path(f"{log_prefix}.out"), Path(f"{log_prefix}.err")
+        self.status_path = Path(f"{log_prefix}.status")  # the script's exit status, under `accelerate launch`
         self.out_path.parent.mkdir(parents=True, exist_ok=True)
         self.launcher, self.killed, self.start, self.active_seconds = launcher, False, time.perf_counter(), None
+        self.launched = launcher in ACCELERATE_LAUNCHES
+        self._family, self._family_seen = {}, 0.0  # the launch's processes (pid -> psutil.Process), when last listed
         env = env or child_env()
         disk = (str(small_disk[0]), str(small_disk[1])) if small_disk else None
-        if launcher == "python":
+        if launcher != "fork":
             command = [sys.executable, "-m", module, *map(str, argv)]
+            if self.launched:
+                self.status_path.unlink(missing_ok=True)
+                env = {**env, EXIT_STATUS_ENV: str(self.status_path)}
+                command = [sys.executable, "-m", "accelerate.commands.launch", *accelerate_launch_args(launcher),
+                           "-m", module, *map(str, argv)]
             if disk:  # the same namespace trick as enter_small_disk, by the `unshare` command
                 command = ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o "size=$0" tmpfs "$1" || exit 125; shift; '
                            'exec "$@"', disk[1], disk[0], *command]
@@ -252,14 +298,46 @@ class TrainingProcess:
             self._proc.start()
             self.pid = self._proc.pid
 
+    def _list_family(self, every: float = 0.05) -> dict:
+        """The launch's processes seen so far, listed again at most every `every` s while its launcher runs."""
+        import psutil
+
+        if self.launched and time.perf_counter() - self._family_seen >= every:
+            self._family_seen = time.perf_counter()
+            try:
+                self._family.update({p.pid: p for p in psutil.Process(self.pid).children(recursive=True)})
+            except psutil.Error:
+                pass
+        return self._family
+
+    @property
+    def launcher_returncode(self) -> int | None:
+        """The exit code of the process this started: the launcher under `accelerate launch`, else the run."""
+        return self._proc.poll() if self.launcher != "fork" else self._proc.exitcode
+
     def poll(self) -> int | None:
-        """The exit code, or None while running (a SIGKILLed process gives -9)."""
-        return self._proc.poll() if self.launcher == "python" else self._proc.exitcode
+        """The exit code, or None while running (a SIGKILLed process gives -9). Under `accelerate launch`: the
+        script's own, once no process of the launch is left (the launcher's if the script recorded none)."""
+        code = self.launcher_returncode
+        if not self.launched:
+            return code
+        if code is None:
+            self._list_family()
+            return None
+        if any(_running(p) for p in self._family.values()):
+            return None
+        status = read_exit_status(self.status_path)
+        return code if status is None else status
 
     def kill(self) -> None:
-        """SIGKILL: no handler, no cleanup, no flush; what a preemption or an OOM killer does."""
+        """SIGKILL: no handler, no cleanup, no flush; what a preemption or an OOM killer does (to every process of a
+        launch, as when its machine goes down)."""
         if self.poll() is None:
-            os.kill(self.pid, signal.SIGKILL)
+            for process in self._list_family(every=0).values():
+                with contextlib.suppress(Exception):
+                    process.kill()  # psutil: never a reused pid
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
             self.killed = True
         self.wait(30)
 
@@ -267,10 +345,35 @@ class TrainingProcess:
         """Send SIGTERM (what SLURM and Kubernetes send first; or `signum`, e.g. SIGUSR1) and wait for the exit
         code: the training script finishes its step, checkpoints and exits 128 + the signal's number."""
         if self.poll() is None:
+            self._list_family(every=0)
             os.kill(self.pid, signum)
         return self.wait(timeout)
 
+    def interrupt(self, timeout: float = 300) -> int | None:
+        """Ctrl-C as a terminal sends it: SIGINT to this process and to every process it started in its process
+        group (a launcher, its training process, data loader workers; torchrun starts its processes in groups of
+        their own); then wait for the exit code (130 after a checkpoint)."""
+        import psutil
+
+        if self.poll() is None:
+            self._list_family(every=0)
+            try:
+                root = psutil.Process(self.pid)
+                group, family = os.getpgid(self.pid), [root, *root.children(recursive=True)]
+            except (psutil.Error, OSError):
+                group, family = None, []
+            for process in family:
+                with contextlib.suppress(psutil.Error, OSError):
+                    if os.getpgid(process.pid) == group:
+                        process.send_signal(signal.SIGINT)
+        return self.wait(timeout)
+
     def wait(self, timeout: float | None = None) -> int | None:
+        if self.launched:  # the launcher, then whatever it left running
+            deadline = None if timeout is None else time.perf_counter() + timeout
+            while self.poll() is None and (deadline is None or time.perf_counter() < deadline):
+                time.sleep(0.01)
+            return self.poll()
         try:
             if self.launcher == "python":
                 self._proc.wait(timeout)
@@ -285,7 +388,8 @@ class TrainingProcess:
         if self.wait(timeout) is None:
             self.kill()
         return CliResult(self.poll(), self.out_path.read_text(), self.err_path.read_text(),
-                         time.perf_counter() - self.start, self.killed)
+                         time.perf_counter() - self.start, self.killed,
+                         self.launcher_returncode if self.launched else None)
 
 
 def run_cli(argv: list[str], launcher: str = "fork", cwd: str | os.PathLike | None = None, env: dict | None = None,
@@ -313,8 +417,9 @@ def assert_user_error(result: CliResult, message: str, code: int = 2) -> None:
 STRESS_RUN = dict(model="tinycnn", img_size=16, epochs=3, batch_size=8, learning_rate=0.05, lr_scheduler="cosine",
                   lr_warmup_epochs=0.5, num_workers=0, cpu=True, log_with="none", disable_progress_bar=True,
                   checkpoint_every_steps=2, keep_last_checkpoints=2, log_interval=0, seed=0)
-KILL_KINDS = ("during_save", "after_save", "random_time", "final_save", "sigterm")
-KILL_WEIGHTS = (6, 2, 2, 1, 3)  # of 14 kills: 6 SIGKILLs during a save, 5 other SIGKILLs, 3 SIGTERMs
+KILL_KINDS = ("during_save", "after_save", "random_time", "final_save", "sigint", "sigterm")
+KILL_WEIGHTS = (6, 2, 2, 1, 1, 2)  # of 14 kills: 6 SIGKILLs during a save, 5 other SIGKILLs, 1 Ctrl-C, 2 SIGTERMs
+POLITE = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT}  # the kinds that ask for a stop with a checkpoint
 
 
 def checkpoint_folders(run_dir: str | os.PathLike) -> tuple[list[str], list[tuple[str, int]]]:
@@ -342,7 +447,8 @@ class KillPlan:
     `files` files), `after_save` (right after its `nth` checkpoint is renamed into place),
     `random_time` (`seconds` after its first checkpoint activity), `final_save` (while
     `model.safetensors` is written); `sigterm`: send SIGTERM instead, `seconds` after its first checkpoint
-    activity (the run must checkpoint and exit 143); `never`: just watch."""
+    activity (the run must checkpoint and exit 143); `sigint`: Ctrl-C as a terminal sends it, to the run and the
+    processes of its group (checkpoint and exit 130); `never`: just watch."""
 
     kind: str
     nth: int = 1
@@ -353,29 +459,30 @@ class KillPlan:
         return {"during_save": f"during save #{self.nth} (after {self.files} file(s))",
                 "after_save": f"right after save #{self.nth}", "random_time": f"{self.seconds:.2f} s into training",
                 "final_save": "while writing model.safetensors", "sigterm": f"SIGTERM {self.seconds:.2f} s into training",
-                "never": "never"}[self.kind]
+                "sigint": f"Ctrl-C {self.seconds:.2f} s into training", "never": "never"}[self.kind]
 
 
 @dataclass
 class KillRecord:
     """What one kill did: whether it landed, the newest complete checkpoint then, and the leftovers; for
-    SIGTERM also the exit code and the step the run said it stopped at."""
+    SIGTERM and Ctrl-C also the exit code and the step the run said it stopped at."""
 
     plan: KillPlan
     killed: bool
     complete_step: int | None = None
     leftovers: list[tuple[str, int]] = field(default_factory=list)  # (temporary folder, files in it)
     exit_code: int | None = None
-    stopped_at: int | None = None  # "stopped at optimizer step N" (SIGTERM)
+    stopped_at: int | None = None  # "stopped at optimizer step N" (SIGTERM, Ctrl-C)
 
     def describe(self) -> str:
         if not self.killed:
             return f"finished before the kill ({self.plan.describe()})"
         left = ", ".join(f"{name} ({n} files)" for name, n in self.leftovers) or "none"
-        if self.plan.kind == "sigterm" and self.exit_code == -signal.SIGTERM:
-            return (f"{self.plan.describe()}: the signal ended the run on its way out (exit -15, 143 in a shell); "
-                    f"newest complete checkpoint step {self.complete_step}, leftovers {left}")
-        if self.plan.kind == "sigterm":
+        signum = POLITE.get(self.plan.kind)
+        if signum and self.exit_code == -signum:
+            return (f"{self.plan.describe()}: the signal ended the run on its way out (exit {-signum}, {128 + signum} "
+                    f"in a shell); newest complete checkpoint step {self.complete_step}, leftovers {left}")
+        if signum:
             return (f"{self.plan.describe()}: exit {self.exit_code}, stopped at step {self.stopped_at}; newest complete "
                     f"checkpoint step {self.complete_step}, leftovers {left}")
         return f"killed {self.plan.describe()}: newest complete checkpoint step {self.complete_step}, leftovers {left}"
@@ -384,7 +491,7 @@ class KillRecord:
 def draw_kill_plan(rng: random.Random, saves_left: int, seconds_left: float,
                    kinds: tuple[str, ...] = KILL_KINDS) -> KillPlan:
     """A seeded random kill among `kinds` (weighted by `KILL_WEIGHTS`): SIGKILL, often during a checkpoint save,
-    or SIGTERM, spread over the run."""
+    or SIGTERM or Ctrl-C, spread over the run."""
     weights = [w for k, w in zip(KILL_KINDS, KILL_WEIGHTS) if k in kinds]
     kind = rng.choices([k for k in KILL_KINDS if k in kinds], weights=weights)[0]
     return KillPlan(kind, nth=rng.randint(1, max(1, saves_left)), files=rng.randint(0, 5),
@@ -408,7 +515,7 @@ def scale_kill_plan(plan: KillPlan, saves: int, saves_left: int) -> KillPlan:
 
 
 def stopped_at_step(stdout: str) -> int | None:
-    """N of the training script's last "stopped at optimizer step N, ..." line (after SIGTERM/SIGUSR1), else None."""
+    """N of the training script's last "stopped at optimizer step N, ..." line (after SIGTERM/SIGUSR1/Ctrl-C), else None."""
     lines = [line for line in stdout.splitlines() if line.startswith("stopped at optimizer step ")]
     return int(lines[-1].split()[4].rstrip(",")) if lines else None
 
@@ -416,7 +523,7 @@ def stopped_at_step(stdout: str) -> int | None:
 def watch_and_kill(proc: TrainingProcess, run_dir: str | os.PathLike, plan: KillPlan, timeout: float = 300,
                    poll_s: float = 0.0005) -> KillRecord:
     """Poll the run's checkpoint folder every `poll_s` s and SIGKILL `proc` when `plan` says (11); a `sigterm`
-    plan sends SIGTERM and waits for the run to checkpoint and exit.
+    plan sends SIGTERM, a `sigint` one Ctrl-C (`TrainingProcess.interrupt`), and waits for the run to checkpoint and exit.
 
     Also sets `proc.active_seconds`, the time from its first to its last checkpoint."""
     run_dir = Path(run_dir)
@@ -436,15 +543,16 @@ def watch_and_kill(proc: TrainingProcess, run_dir: str | os.PathLike, plan: Kill
         elif plan.kind == "after_save":
             saves += len(new_steps)
             hit = saves >= plan.nth
-        elif plan.kind in ("random_time", "sigterm"):
+        elif plan.kind in ("random_time", *POLITE):
             hit = t_active is not None and time.perf_counter() - t_active >= plan.seconds
         else:
             hit = plan.kind == "final_save" and (run_dir / ".tmp-final").exists()
         seen_steps.update(new_steps)
         if new_steps and t_active is not None:
             proc.active_seconds = time.perf_counter() - t_active
-        if hit and plan.kind == "sigterm":
-            code = proc.terminate(timeout=max(1.0, deadline - time.perf_counter()))
+        if hit and plan.kind in POLITE:
+            left = max(1.0, deadline - time.perf_counter())
+            code = proc.interrupt(timeout=left) if plan.kind == "sigint" else proc.terminate(timeout=left)
             if code is None:  # it did not stop: that is a failure to see, so end it the hard way
                 proc.kill()
             steps, tmps = checkpoint_folders(run_dir)
@@ -477,6 +585,7 @@ class TrialResult:
     sha256: str = ""
     seconds: float = 0.0
     error: str = ""
+    launcher: str = "python"  # how each of its runs was started (`TrainingProcess`)
 
     @property
     def passed(self) -> bool:
@@ -486,9 +595,16 @@ class TrialResult:
         resumed = ", ".join(str(int(p.rsplit("step_", 1)[-1])) for p in self.resumed_from) or "-"
         kills = sum(k.killed for k in self.kills)
         terms = sum(k.killed for k in self.kills if k.plan.kind == "sigterm")
-        return (f"trial {self.trial}: {'IDENTICAL' if self.passed else 'DIFFERENT'} after {self.runs} run(s), {kills} "
-                f"kill(s) ({terms} SIGTERM), resumed at steps [{resumed}], {self.ignored_leftovers} leftover(s) ignored, sha256 "
-                f"{self.sha256[:12]}, {self.seconds:.1f} s" + (f" | {self.error}" if self.error else ""))
+        ctrl_c = sum(k.killed for k in self.kills if k.plan.kind == "sigint")
+        how = f" ({LAUNCHED_AS[self.launcher]})" if self.launcher in LAUNCHED_AS else ""
+        return (f"trial {self.trial}{how}: {'IDENTICAL' if self.passed else 'DIFFERENT'} after {self.runs} run(s), "
+                f"{kills} kill(s) ({terms} SIGTERM, {ctrl_c} Ctrl-C), resumed at steps [{resumed}], "
+                f"{self.ignored_leftovers} leftover(s) ignored, sha256 {self.sha256[:12]}, {self.seconds:.1f} s"
+                + (f" | {self.error}" if self.error else ""))
+
+
+LAUNCHED_AS = {"accelerate": "accelerate launch --num_processes 1", "accelerate_1gpu": "accelerate launch 1gpu.yaml",
+               "accelerate_2proc": "accelerate launch, 2 processes"}
 
 
 def metrics_match(a: list[dict], b: list[dict]) -> bool:
@@ -505,29 +621,32 @@ def _read_rows(path: Path) -> list[dict]:
 
 
 def sigterm_problem(kill: KillRecord, final_step: int) -> str:
-    """What is wrong with how a run ended after SIGTERM ("" if nothing). During training it must exit 143 after
-    saving a checkpoint of the step it names, the newest complete one. A run whose training is over (its
-    checkpoint of `final_step` is complete) may also be ended by the signal itself on its way out: exit -15
-    here, 143 in a shell, and nothing is lost."""
-    if kill.exit_code == -signal.SIGTERM and kill.complete_step == final_step:
+    """What is wrong with how a run ended after SIGTERM, or Ctrl-C for a `sigint` plan ("" if nothing). During
+    training it must exit 143 (130) after saving a checkpoint of the step it names, the newest complete one. A run
+    whose training is over (its checkpoint of `final_step` is complete) may also be ended by the signal on its way
+    out: killed by it (exit -15 here, 143 in a shell) or with its status and no step named, and nothing is lost."""
+    signum = POLITE.get(kill.plan.kind, signal.SIGTERM)
+    name, status = signal.Signals(signum).name, 128 + signum
+    if kill.complete_step == final_step and (kill.exit_code == -signum or (kill.exit_code == status
+                                                                           and kill.stopped_at is None)):
         return ""
-    if kill.exit_code != 128 + signal.SIGTERM:
-        return (f"SIGTERM ended the run with exit {kill.exit_code} at newest complete checkpoint step "
-                f"{kill.complete_step} of {final_step}, not 143 after a checkpoint")
+    if kill.exit_code != status:
+        return (f"{name} ended the run with exit {kill.exit_code} at newest complete checkpoint step "
+                f"{kill.complete_step} of {final_step}, not {status} after a checkpoint")
     if kill.stopped_at is None or kill.stopped_at != kill.complete_step:
-        return (f"after SIGTERM the run said it stopped at step {kill.stopped_at} but the newest complete "
+        return (f"after {name} the run said it stopped at step {kill.stopped_at} but the newest complete "
                 f"checkpoint is step {kill.complete_step}")
     return ""
 
 
 def run_trial(trial: int, seed: int, workdir: Path, options: dict, reference: dict, kills_per_trial: int,
               launcher: str, timeout: float, kinds: tuple[str, ...] = KILL_KINDS) -> TrialResult:
-    """Start, kill (`kills_per_trial` seeded kills: SIGKILL, or SIGTERM that must end in a checkpoint and exit
-    143), resume with `latest` ... until the run finishes."""
+    """Start, kill (`kills_per_trial` seeded kills: SIGKILL, or SIGTERM or Ctrl-C that must end in a checkpoint and
+    exit 143 or 130), resume with `latest` ... until the run finishes; every run started by `launcher`."""
     plans = trial_kill_plans(seed, trial, kills_per_trial, reference["saves"], reference["train_seconds"], kinds)
     name = f"trial_{trial:02d}"
     run_dir, every = workdir / name, options["checkpoint_every_steps"]
-    result, start = TrialResult(trial), time.perf_counter()
+    result, start = TrialResult(trial, launcher=launcher), time.perf_counter()
     for attempt in range(kills_per_trial + 1):
         argv = as_flags({**options, "experiment_name": name, "resume_from_checkpoint": "latest"})
         proc = TrainingProcess(argv, workdir / "logs" / f"{name}_run{attempt}", launcher)
@@ -539,7 +658,7 @@ def run_trial(trial: int, seed: int, workdir: Path, options: dict, reference: di
             result.kills.append(watch_and_kill(proc, run_dir, plan, timeout))
         out = proc.result(timeout)
         kill = result.kills[-1] if attempt < kills_per_trial else None
-        if kill is not None and kill.killed and kill.plan.kind == "sigterm":
+        if kill is not None and kill.killed and kill.plan.kind in POLITE:
             result.error = sigterm_problem(kill, reference["rows"][-1]["step"])
             if result.error:
                 break
@@ -565,17 +684,23 @@ def run_trial(trial: int, seed: int, workdir: Path, options: dict, reference: di
 
 def stress_resume(trials: int = 10, seed: int = 0, workdir: str | os.PathLike | None = None, kills_per_trial: int = 3,
                   launcher: str = "python", run_options: dict | None = None, data_dir: str | os.PathLike | None = None,
-                  timeout: float = 300, verbose: bool = True, kinds: tuple[str, ...] = KILL_KINDS) -> list[TrialResult]:
-    """Kill-anywhere resume: train, SIGKILL or SIGTERM at seeded random moments, resume with `latest`, until done (11).
+                  timeout: float = 300, verbose: bool = True, kinds: tuple[str, ...] = KILL_KINDS,
+                  accelerate_trials: int = 0) -> list[TrialResult]:
+    """Kill-anywhere resume: train, SIGKILL, SIGTERM or Ctrl-C at seeded random moments, resume with `latest`, until
+    done (11).
 
     First an uninterrupted reference run; then each trial restarts its run with
     `--resume_from_checkpoint latest` after every kill and lets the last one finish. A trial passes
     when its `model.safetensors` is byte for byte the reference's and `metrics.jsonl` matches, and
-    every SIGTERM ended its run with exit 143 after a checkpoint of the step it named. `kinds`
-    restricts the kills (e.g. `("sigterm",)`)."""
+    every SIGTERM (Ctrl-C) ended its run with exit 143 (130) after a checkpoint of the step it named. `kinds`
+    restricts the kills (e.g. `("sigterm",)`). The last `accelerate_trials` trials start every run under a
+    one-process `accelerate launch`, alternately with `--num_processes 1` (a plain subprocess) and 1gpu.yaml
+    (torchrun's agent); their signals go to the launcher, Ctrl-C to its whole process group."""
     unknown = sorted(set(kinds) - set(KILL_KINDS))
     if unknown or not kinds:
         raise ValueError(f"kinds must be some of {KILL_KINDS}, got {tuple(kinds)}")
+    launched = [("accelerate", "accelerate_1gpu")[k % 2] for k in range(min(trials, accelerate_trials))]
+    launchers = [launcher] * (trials - len(launched)) + launched
     workdir = Path(workdir or tempfile.mkdtemp(prefix="tutorial-stress-"))
     data_dir = Path(data_dir) if data_dir else make_image_folder(workdir / "data")
     options = {**STRESS_RUN, **(run_options or {}), "path_to_data": str(data_dir), "working_directory": str(workdir)}
@@ -595,7 +720,8 @@ def stress_resume(trials: int = 10, seed: int = 0, workdir: str | os.PathLike | 
         f"{reference['sha256'][:12]}")
     results = []
     for trial in range(trials):
-        results.append(run_trial(trial, seed, workdir, options, reference, kills_per_trial, launcher, timeout, tuple(kinds)))
+        results.append(run_trial(trial, seed, workdir, options, reference, kills_per_trial, launchers[trial], timeout,
+                                 tuple(kinds)))
         say(results[-1].summary())
         for kill in results[-1].kills:
             say(f"    {kill.describe()}")
@@ -610,7 +736,7 @@ def get_args_parser() -> argparse.ArgumentParser:
                            description="Reliability checks of the training script (notebook 11).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{resume}")
     resume = sub.add_parser("resume", formatter_class=HelpFormatter,
-                            help="kill tiny CPU trainings at seeded random moments (SIGKILL or SIGTERM), resume them, "
+                            help="kill tiny CPU trainings at seeded random moments (SIGKILL, SIGTERM or Ctrl-C), resume them, "
                                  "compare the final weights bit for bit",
                             description="Train a tiny model on CPU once without interruption; then, in each trial, kill\n"
                                         "the same run at seeded random moments, resume it with --resume_from_checkpoint\n"
@@ -620,11 +746,15 @@ def get_args_parser() -> argparse.ArgumentParser:
     resume.add_argument("--seed", type=non_negative_int, default=0, help="seeds the kill moments")
     resume.add_argument("--kills_per_trial", type=non_negative_int, default=3, help="kills before a trial's run may finish")
     resume.add_argument("--kinds", choices=KILL_KINDS, nargs="+", default=list(KILL_KINDS), metavar="KIND",
-                        help=f"kinds of kill to draw from, some of {', '.join(KILL_KINDS)} (sigterm: the run must "
-                             "checkpoint and exit 143)")
+                        help=f"kinds of kill to draw from, some of {', '.join(KILL_KINDS)} (sigterm, sigint: the run "
+                             "must checkpoint and exit 143, 130)")
     resume.add_argument("--launcher", choices=["python", "fork"], default="python",
                         help="python: each run is `python -m tutorial_lib.train`; fork: forked from a process that "
                              "imported it once (same main(), seconds faster)")
+    resume.add_argument("--accelerate_trials", type=non_negative_int, default=3,
+                        help="the last N trials start each run under a one-process `accelerate launch`, alternately "
+                             "with --num_processes 1 (a plain subprocess) and 1gpu.yaml (torchrun's agent); signals go "
+                             "to the launcher")
     resume.add_argument("--workdir", default=None,
                         help="where the runs go; none: a new temporary folder, deleted at the end when every trial passed")
     resume.add_argument("--epochs", type=positive_int, default=STRESS_RUN["epochs"], help="epochs of each run")
@@ -636,7 +766,8 @@ def main(argv: list[str] | None = None) -> None:
     args = get_args_parser().parse_args(argv)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="tutorial-stress-"))
     results = stress_resume(args.trials, args.seed, workdir, args.kills_per_trial, args.launcher,
-                            run_options={"epochs": args.epochs}, kinds=tuple(args.kinds))
+                            run_options={"epochs": args.epochs}, kinds=tuple(args.kinds),
+                            accelerate_trials=args.accelerate_trials)
     passed = all(r.passed for r in results)
     if args.workdir is None and passed:
         shutil.rmtree(workdir, ignore_errors=True)  # every run matched: nothing to look at, and it holds checkpoints

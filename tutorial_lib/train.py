@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 import warnings
@@ -31,16 +34,18 @@ from .data import (
     embedded_data_path, normalize_on_device, progressive_resolution, resize_batch, resolve_data_source, seeded_subset)
 from .optim import make_ema, param_groups
 from .schedules import build_scheduler, num_optimizer_steps, resume_with_flags, scaled_lr
+from .accel import (  # signals, launchers and exit statuses (06)
+    DiskFullError, LaunchError, RunFolderError, StopAtOnce, follow_launcher, latest_checkpoint, record_exit_status)
 
 # %% auto #0
-__all__ = ['USER_ERRORS', 'TIMING_KEYS', 'WARMUP_CAP', 'WATCHED_FLAGS', 'RECIPE_V1', 'BadFlagError', 'build_model', 'Run',
-           'EpochResult', 'train_crop_size', 'train_resolution', 'train_step', 'train_one_epoch', 'log_step',
-           'save_run_checkpoint', 'evaluate', 'load_data', 'resolve_learning_rate', 'build_optimizer',
+__all__ = ['USER_ERRORS', 'TIMING_KEYS', 'WARMUP_CAP', 'WATCHED_FLAGS', 'RECIPE_V1', 'SHARED_ERRORS', 'BadFlagError',
+           'build_model', 'Run', 'EpochResult', 'train_crop_size', 'train_resolution', 'train_step', 'train_one_epoch',
+           'log_step', 'save_run_checkpoint', 'evaluate', 'load_data', 'resolve_learning_rate', 'build_optimizer',
            'build_training_scheduler', 'checkpoint_size', 'setup_run', 'resume_run', 'open_outputs',
            'train_and_evaluate', 'report_skips', 'epoch_row', 'finish_run', 'train', 'model_name', 'run_name',
            'user_path', 'meta_model', 'input_size_error', 'smallest_input_size', 'check_input_sizes', 'check_args',
            'check_paths', 'get_args_parser', 'add_run_and_data_flags', 'add_optimisation_flags',
-           'add_speed_and_checkpoint_flags', 'default_args', 'error_line', 'main']
+           'add_speed_and_checkpoint_flags', 'default_args', 'error_line', 'main', 'run_command_line']
 
 # %% ../notebooks/08_training_script.ipynb #774e706e
 class BadFlagError(UserInputError, ValueError):
@@ -481,6 +486,7 @@ def train(args: argparse.Namespace) -> dict:
     `Accelerator`: the same under `accelerate launch`, `notebook_launcher` (09) and in a plain Python process."""
     from accelerate.utils import set_seed
 
+    follow_launcher()  # started by `accelerate launch`: a SIGTERM when that launcher is gone (06)
     run_dir = Path(args.working_directory) / args.experiment_name
     new_folder = not run_dir.exists()
     accelerator = build_accelerator(args.cpu, args.mixed_precision, args.gradient_accumulation_steps,  # 06
@@ -510,7 +516,7 @@ def train(args: argparse.Namespace) -> dict:
         resume_run(run)
         logger = open_outputs(run, len(train_ds), len(val_ds))
         start = time.perf_counter()
-        with StopRequest(accelerator) as run.stop:  # SIGTERM/SIGUSR1: finish the step, checkpoint, stop (06)
+        with StopRequest(accelerator) as run.stop:  # SIGTERM/SIGUSR1/Ctrl-C: finish the step, checkpoint, stop (06)
             rows, stopped = train_and_evaluate(run, logger)
             return finish_run(run, rows, stopped, time.perf_counter() - start)  # a late signal waits for this
     finally:
@@ -809,19 +815,49 @@ def error_line(err: BaseException) -> str:
     return text.replace("build the datasets with on_bad_file='skip'", "pass --on_bad_file skip")
 
 
+# Raised the same way on every process (the same flags, or a decision all processes took together): process 0 says it
+SHARED_ERRORS = (BadFlagError, LaunchError, RunFolderError, NonFiniteLossError, DiskFullError)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `tutorial-train` and `python -m tutorial_lib.train`; returns nothing (`sys.exit(main())` would
     exit with it). A user error prints one line and exits 2, a NaN/Inf loss 3, no traceback (11); SIGTERM/SIGUSR1
-    checkpoint and exit 143/138. Bugs keep their traceback."""
+    and Ctrl-C checkpoint and exit 143/138/130; a second Ctrl-C stops at once (130). Bugs keep their traceback.
+    The status also goes to `$TUTORIAL_EXIT_STATUS_FILE` when set (06's `record_exit_status`): `accelerate launch`
+    reports 1 for all of them."""
     try:
-        status = train(get_args_parser().parse_args(argv))["exit_status"]
-    except (NonFiniteLossError, *USER_ERRORS) as err:
-        rank = os.environ.get("RANK")
-        where = f" (process {rank})" if rank not in (None, "0") else ""
-        print(f"tutorial-train: error{where}: {error_line(err)}", file=sys.stderr, flush=True)
-        raise SystemExit(3 if isinstance(err, NonFiniteLossError) else 2) from None
-    if status:  # stopped by SIGTERM/SIGUSR1 after a checkpoint: 128 + the signal, like a process it killed
+        status = run_command_line(argv)
+    except SystemExit as exit_:  # argparse: a bad flag (2) or --help (0)
+        record_exit_status(exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None))
+        raise
+    record_exit_status(status)
+    if status:  # 128 + the signal after a polite stop, like a process it killed; 2 or 3 after one line
         raise SystemExit(status)
+
+
+def run_command_line(argv: list[str] | None = None) -> int:
+    """Parse, train, and turn each documented outcome into its exit status and at most one line on stderr."""
+    rank = os.environ.get("RANK")
+    main_process = rank in (None, "0")
+    with contextlib.redirect_stderr(sys.stderr if main_process else io.StringIO()):  # a bad flag: process 0 says it
+        args = get_args_parser().parse_args(argv)
+    try:
+        return train(args)["exit_status"]
+    except (NonFiniteLossError, *USER_ERRORS) as err:
+        if main_process or not isinstance(err, SHARED_ERRORS):  # said once, or by the process it happened to
+            where = "" if main_process else f" (process {rank})"
+            print(f"tutorial-train: error{where}: {error_line(err)}", file=sys.stderr, flush=True)
+        return 3 if isinstance(err, NonFiniteLossError) else 2
+    except KeyboardInterrupt as err:  # a second Ctrl-C (06's StopAtOnce), or Ctrl-C outside the training loop
+        if main_process:
+            if isinstance(err, StopAtOnce):
+                last = latest_checkpoint(Path(args.working_directory) / args.experiment_name)
+                line = (f"stopped at once by a second Ctrl-C, without a checkpoint; the last one is {last or 'none'}: "
+                        "resume with --resume_from_checkpoint latest")
+            else:
+                line = "interrupted by Ctrl-C outside the training loop: nothing in progress to save"
+            print(f"tutorial-train: {line}", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
 
 # %% ../notebooks/08_training_script.ipynb #02514715
 if __name__ == "__main__" and not in_notebook():

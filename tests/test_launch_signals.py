@@ -1,0 +1,384 @@
+"""Signals and exit statuses on every launch path of `tutorial_lib.train` (notebooks 06, 08, 11).
+
+SIGTERM to a one-process `accelerate launch` (plain subprocess or torchrun's agent), to a 2-process one and to a
+process running `notebook_launcher` must reach the training, which checkpoints and stops, and the resumed run must
+end bit-identical to one never stopped. Ctrl-C (SIGINT, sent as a terminal sends it: to every process of the
+group) is the same polite stop with exit 130; a second one stops at once. Under `accelerate launch`, which returns
+1 for any failure, the script's own exit status (2, 3, 143) reaches `$TUTORIAL_EXIT_STATUS_FILE` with one line from
+one process, and the SLURM script acts on that status."""
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from tutorial_lib.accel import (EXIT_STATUS_ENV, StopAtOnce, StopRequest, launch_with_timeout, latest_checkpoint,
+                                launcher_name, list_checkpoints, read_exit_status, record_exit_status)
+from tutorial_lib.core import config_path
+from tutorial_lib.stress import (CliResult, TrainingProcess, _running, as_flags, child_env, make_image_folder, run_cli,
+                                 sha256_file)
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = dict(model="tinycnn", img_size=16, batch_size=4, learning_rate=0.05, num_workers=0, cpu=True, log_with="none",
+            disable_progress_bar=True, log_interval=0)
+LONG = dict(BASE, epochs=40)  # 6 optimizer steps per epoch on one process: a signal lands during training
+ONE_PROCESS = ("accelerate", "accelerate_1gpu")  # `--num_processes 1` (plain subprocess), 1gpu.yaml (torchrun's agent)
+STOPPED = "checkpoint saved, resume with --resume_from_checkpoint latest"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """3 classes x 8 training and 2 validation JPEGs of 16 px."""
+    return make_image_folder(tmp_path_factory.mktemp("data"), classes=3, train_per_class=8, val_per_class=2)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, data) -> dict:
+    """model.safetensors of LONG never interrupted, on one process and on two."""
+    work = tmp_path_factory.mktemp("straight")
+    digests = {}
+    for processes, launcher in ((1, "fork"), (2, "accelerate_2proc")):
+        options = {**LONG, "path_to_data": data, "working_directory": work, "experiment_name": f"p{processes}"}
+        done = run_cli(as_flags(options), launcher=launcher, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        digests[processes] = sha256_file(work / f"p{processes}" / "model.safetensors")
+    return digests
+
+
+def start(tmp_path, data, name, launcher, options=LONG) -> TrainingProcess:
+    flags = as_flags({**options, "path_to_data": data, "working_directory": tmp_path / "runs", "experiment_name": name})
+    return TrainingProcess(flags, tmp_path / "logs" / name, launcher)
+
+
+def wait_for_first_epoch(tmp_path, name, proc, timeout=240) -> None:
+    metrics, deadline = tmp_path / "runs" / name / "metrics.jsonl", time.time() + timeout
+    while not (metrics.exists() and metrics.read_text().strip()) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, f"the run ended before its first epoch was done:\n{proc.result(10).stderr[-3000:]}"
+
+
+def stopped_line(result: CliResult) -> str:
+    lines = [line for line in result.stdout.splitlines() if line.startswith("stopped at optimizer step")]
+    assert len(lines) == 1, f"expected one 'stopped at' line:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    return lines[0]
+
+
+def assert_checkpointed_and_resumes_identically(tmp_path, data, name, launcher, stopped: CliResult, signame: str,
+                                                expected_sha: str) -> None:
+    """The run stopped after a step it names, with a checkpoint of that step; resumed, it ends with `expected_sha`."""
+    line = stopped_line(stopped)
+    assert f"({signame}): {STOPPED}" in line, line
+    step = int(line.split()[4].rstrip(","))
+    assert latest_checkpoint(tmp_path / "runs" / name).name == f"step_{step:09d}"
+    assert not stopped.script_traceback, stopped.stderr[-3000:]
+    resumed = start(tmp_path, data, name, launcher, {**LONG, "resume_from_checkpoint": "latest"}).result(600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sha256_file(tmp_path / "runs" / name / "model.safetensors") == expected_sha
+
+
+# --- 5. SIGTERM reaches the training on every launch path -------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ONE_PROCESS)
+def test_sigterm_to_a_one_process_accelerate_launch_checkpoints_exits_143_and_resumes_identically(
+        tmp_path, data, straight, launcher):
+    proc = start(tmp_path, data, "run", launcher)
+    wait_for_first_epoch(tmp_path, "run", proc)
+    family = proc._list_family(every=0)
+    assert family, "the launcher started a training process"
+    sent = time.perf_counter()
+    os.kill(proc.pid, signal.SIGTERM)  # what a scheduler sends: to the launcher
+    while proc.launcher_returncode is None and time.perf_counter() - sent < 300:
+        time.sleep(0.005)
+    launcher_seconds, still_running = time.perf_counter() - sent, [p.pid for p in family.values() if _running(p)]
+    stopped = proc.result(300)
+    assert stopped.returncode == 143, (stopped.returncode, stopped.stderr[-3000:])  # the script's own status
+    if launcher == "accelerate":  # a plain subprocess: the launcher dies at once, the training stops on its own
+        assert stopped.launcher_returncode == -signal.SIGTERM and launcher_seconds < 5, launcher_seconds
+    else:  # torchrun's agent passes the signal on and waits for the training to end
+        assert stopped.launcher_returncode == 1 and not still_running, still_running
+    assert not [p.pid for p in family.values() if _running(p)], "a process of the launch was left running"
+    assert_checkpointed_and_resumes_identically(tmp_path, data, "run", launcher, stopped, "SIGTERM", straight[1])
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_two_process_accelerate_launch_checkpoints_exits_143_and_resumes_identically(tmp_path, data,
+                                                                                                 straight):
+    proc = start(tmp_path, data, "run", "accelerate_2proc")
+    wait_for_first_epoch(tmp_path, "run", proc)
+    proc.terminate(signal.SIGTERM, 300)
+    stopped = proc.result(10)
+    assert stopped.returncode == 143 and stopped.launcher_returncode == 1, (stopped.returncode, stopped.stderr[-3000:])
+    assert_checkpointed_and_resumes_identically(tmp_path, data, "run", "accelerate_2proc", stopped, "SIGTERM", straight[2])
+
+
+NOTEBOOK_LAUNCH = textwrap.dedent("""
+    import json, sys
+    from tutorial_lib.accel import launch_with_timeout
+    from tutorial_lib.train import default_args, train
+
+    def run(options):
+        final = train(default_args(**options))
+        if final["exit_status"]:
+            raise SystemExit(final["exit_status"])
+
+    if __name__ == "__main__":
+        try:
+            launch_with_timeout(run, (json.loads(sys.argv[1]),), num_processes=int(sys.argv[2]))
+        except KeyboardInterrupt:  # a notebook shows it as an interrupted cell
+            print("KeyboardInterrupt from launch_with_timeout", flush=True)
+            raise SystemExit(130)
+""")
+
+
+def notebook_launch(tmp_path, data, name, processes, **extra) -> subprocess.Popen:
+    script = tmp_path / "notebook_launch.py"
+    script.write_text(NOTEBOOK_LAUNCH)
+    options = {**LONG, "path_to_data": str(data), "working_directory": str(tmp_path / "runs"), "experiment_name": name,
+               **extra}
+    out = open(tmp_path / f"{name}.out", "a")
+    return subprocess.Popen([sys.executable, str(script), json.dumps(options), str(processes)], cwd=ROOT,
+                            env=child_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl_c"])
+def test_a_signal_to_a_notebook_launcher_process_checkpoints_and_resumes_identically(tmp_path, data, straight,
+                                                                                     processes, signum):
+    """SIGTERM goes to the process that called `notebook_launcher`; Ctrl-C to its whole process group, as a terminal
+    sends it (with 2 processes the workers then get it twice: from the terminal and from torch's agent)."""
+    proc = notebook_launch(tmp_path, data, "nb", processes)
+    metrics, deadline = tmp_path / "runs" / "nb" / "metrics.jsonl", time.time() + 240
+    while not (metrics.exists() and metrics.read_text().strip()) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, (tmp_path / "nb.out").read_text()[-3000:]
+    if signum == signal.SIGINT:
+        os.killpg(proc.pid, signal.SIGINT)  # the session the test started: the script and its workers only
+    else:
+        proc.send_signal(signum)
+    code = proc.wait(300)
+    output = (tmp_path / "nb.out").read_text()
+    assert code == 128 + signum, (code, output[-3000:])
+    stopped = CliResult(code, output, "", 0.0)
+    assert "Traceback" not in output, output[-3000:]
+    line = stopped_line(stopped)
+    assert f"({signal.Signals(signum).name}): {STOPPED}" in line, line
+    step = int(line.split()[4].rstrip(","))
+    assert latest_checkpoint(tmp_path / "runs" / "nb").name == f"step_{step:09d}"
+    resumed = notebook_launch(tmp_path, data, "nb", processes, resume_from_checkpoint="latest")
+    assert resumed.wait(600) == 0, (tmp_path / "nb.out").read_text()[-3000:]
+    assert sha256_file(tmp_path / "runs" / "nb" / "model.safetensors") == straight[processes]
+
+
+@pytest.mark.slow
+def test_launch_with_timeout_puts_back_the_signal_handlers_torchs_agent_installs(tmp_path):
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    launch_with_timeout(os.getpid, (), num_processes=2, timeout=120)
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+# --- 6. exit statuses under `accelerate launch` --------------------------------------------------------------
+
+CASES = {  # case -> (options, exit status, the one line's start)
+    "bad flag": (dict(epochs=0), 2, "tutorial-train: error: --epochs must be >= 1, got 0"),
+    "bad flag combination": (dict(lr_scheduler="cosine", lr_min=1), 2, "tutorial-train: error: --lr_min 1 must be below"),
+    "nan loss": (dict(inject_nan_at_steps=[3]), 3, "tutorial-train: error: the loss became NaN or Inf at optimizer step 3"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", [*ONE_PROCESS, "accelerate_2proc"])
+@pytest.mark.parametrize("case", CASES)
+def test_the_scripts_exit_status_and_one_line_survive_accelerate_launch(tmp_path, data, launcher, case):
+    """`accelerate launch` returns 1 whatever failed (documented); the script's status reaches the status file, and
+    its line is printed once, by one process, without a traceback of the script (the launcher adds its own)."""
+    options, status, line = CASES[case]
+    done = run_cli(as_flags({**BASE, "epochs": 2, **options, "path_to_data": data, "working_directory": tmp_path / "runs",
+                             "experiment_name": "run"}), launcher=launcher, timeout=300)
+    assert (done.returncode, done.launcher_returncode) == (status, 1), (done.returncode, done.stderr[-3000:])
+    errors = [l for l in done.stderr_lines if l.startswith("tutorial-train:")]
+    assert len(errors) == 1 and errors[0].startswith(line), errors
+    assert not done.script_traceback and "Connection closed" not in done.stderr, done.stderr[-3000:]
+
+
+def test_main_records_its_exit_status_for_job_scripts(tmp_path, monkeypatch):
+    from tutorial_lib.train import main
+
+    status_file = tmp_path / "status"
+    monkeypatch.setenv(EXIT_STATUS_ENV, str(status_file))
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--epochs", "0"])  # refused by the parser, before anything is built
+    assert exit_.value.code == 2 and read_exit_status(status_file) == 2
+
+
+def test_process_0s_recorded_status_wins_and_others_only_fill_an_empty_place(tmp_path, monkeypatch):
+    status_file = tmp_path / "status"
+    monkeypatch.setenv(EXIT_STATUS_ENV, str(status_file))
+    monkeypatch.setenv("RANK", "1")
+    record_exit_status(2)  # process 1 first: the place is empty
+    record_exit_status(3)  # another of the others: the place is taken
+    assert read_exit_status(status_file) == 2
+    monkeypatch.setenv("RANK", "0")
+    record_exit_status(143)
+    assert read_exit_status(status_file) == 143 and sorted(p.name for p in tmp_path.iterdir()) == ["status"]
+    monkeypatch.delenv(EXIT_STATUS_ENV)
+    record_exit_status(0)  # nowhere to write: nothing happens
+    assert read_exit_status(status_file) == 143 and read_exit_status(tmp_path / "none") is None
+
+
+# --- the SLURM script acts on the training's own status ---------------------------------------------------------
+
+STUBS = {  # stand-ins for SLURM's commands and for `accelerate`, which returns 1 whatever failed, as the real one
+    "srun": '#!/bin/bash\nexport SLURM_NODEID=0\nexec "$@"\n',
+    "scontrol": '#!/bin/bash\nif [ "$1" = show ]; then echo node0; echo node1; else echo "$@" >> "$SCONTROL_LOG"; fi\n',
+    "accelerate": textwrap.dedent("""\
+        #!/bin/bash
+        echo "$@" > "$STUB_ARGS"
+        case "$STUB_OUTCOME" in
+          term) trap 'echo 143 > "$TUTORIAL_EXIT_STATUS_FILE"; exit 1' TERM
+                touch "$STUB_READY"; while :; do sleep 0.05; done ;;
+          crash) exit 1 ;;
+          0) echo 0 > "$TUTORIAL_EXIT_STATUS_FILE"; exit 0 ;;
+          *) echo "$STUB_OUTCOME" > "$TUTORIAL_EXIT_STATUS_FILE"; exit 1 ;;
+        esac
+        """),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("outcome, status, requeued", [
+    ("term", 143, True), ("2", 2, False), ("3", 3, False), ("0", 0, False), ("crash", 1, False)])
+def test_the_slurm_script_requeues_only_a_run_stopped_with_a_checkpoint_and_exits_with_the_trainings_status(
+        tmp_path, outcome, status, requeued):
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name, text in STUBS.items():
+        (stubs / name).write_text(text)
+        (stubs / name).chmod(0o755)
+    path = os.pathsep.join([str(stubs), str(Path(sys.executable).parent), os.environ["PATH"]])  # this Python first
+    env = child_env(PATH=path, SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node[0-1]",
+                    SLURM_NNODES="2", WORKDIR=str(tmp_path / "runs"), SCONTROL_LOG=str(tmp_path / "scontrol.log"),
+                    STUB_OUTCOME=outcome, STUB_READY=str(tmp_path / "ready"), STUB_ARGS=str(tmp_path / "args"),
+                    PYTHONPATH=str(ROOT))
+    job = subprocess.Popen(["bash", str(config_path("slurm_2nodes_8gpus.sbatch"))], cwd=tmp_path, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if outcome == "term":  # the time limit is near: SLURM sends SIGUSR1 to the batch script
+        deadline = time.time() + 60
+        while not (tmp_path / "ready").exists() and time.time() < deadline:
+            time.sleep(0.02)
+        job.send_signal(signal.SIGUSR1)
+    output, _ = job.communicate(timeout=120)
+    assert job.returncode == status, (job.returncode, output)
+    log = (tmp_path / "scontrol.log").read_text() if (tmp_path / "scontrol.log").exists() else ""
+    assert log == ("requeue 4242\n" if requeued else ""), log
+    args = (tmp_path / "args").read_text()
+    assert "launch --config_file" in args and "--resume_from_checkpoint latest" in args, args
+
+
+# --- 10. Ctrl-C -----------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["python", *ONE_PROCESS, "accelerate_2proc"])
+def test_ctrl_c_in_a_terminal_checkpoints_exits_130_with_one_line_and_resumes_identically(tmp_path, data, straight,
+                                                                                         launcher):
+    """Ctrl-C reaches every process of the terminal's foreground group: the launcher and its training process (with
+    `python`: the run and its two data loader workers)."""
+    options = dict(LONG, num_workers=2) if launcher == "python" else LONG
+    proc = start(tmp_path, data, "run", launcher, options)
+    wait_for_first_epoch(tmp_path, "run", proc)
+    proc.interrupt(300)
+    stopped = proc.result(10)
+    assert stopped.returncode == 130, (stopped.returncode, stopped.stderr[-3000:])
+    said = [l for l in stopped.stderr_lines if l.startswith("Ctrl-C")]
+    assert said == ["Ctrl-C: stopping after this optimizer step, with a checkpoint; press Ctrl-C again to stop at once, "
+                    "without one"], stopped.stderr_lines
+    if launcher == "python":
+        assert stopped.stderr_lines == said, "one line, no traceback"
+    processes = 2 if launcher == "accelerate_2proc" else 1
+    assert_checkpointed_and_resumes_identically(tmp_path, data, "run", launcher, stopped, "SIGINT", straight[processes])
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint_in_one_line(tmp_path):
+    """12 micro-batches of ResNet18 at 128 px make the first optimizer step last seconds: time to press again."""
+    data = make_image_folder(tmp_path / "data")  # 96 training images: 12 batches of 8, one optimizer step per epoch
+    slow = dict(BASE, model="resnet18", img_size=128, batch_size=8, gradient_accumulation_steps=12, epochs=1)
+    proc = start(tmp_path, data, "slow", "python", slow)
+    config, deadline = tmp_path / "runs" / "slow" / "config.json", time.time() + 240
+    while not config.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)  # written just before the training loop
+    assert proc.poll() is None, proc.result(10).stderr[-3000:]
+    time.sleep(0.5)
+    assert proc.interrupt(timeout=1.5) is None, "the first Ctrl-C lets the step in progress finish"
+    sent = time.perf_counter()
+    proc.interrupt(timeout=120)
+    seconds = time.perf_counter() - sent
+    done = proc.result(10)
+    assert done.returncode == 130 and not done.has_traceback, (done.returncode, done.stderr[-3000:])
+    assert done.stderr_lines[-1] == ("tutorial-train: stopped at once by a second Ctrl-C, without a checkpoint; the "
+                                     "last one is none: resume with --resume_from_checkpoint latest"), done.stderr_lines
+    assert len(done.stderr_lines) == 2 and done.stderr_lines[0].startswith("Ctrl-C: stopping after this optimizer step")
+    assert not list_checkpoints(tmp_path / "runs" / "slow") and seconds < 60
+
+
+def test_the_same_ctrl_c_twice_is_one_request_and_a_later_second_one_stops_at_once():
+    one_process = types.SimpleNamespace(num_processes=1, is_main_process=False)  # not the main process: says nothing
+    previous = signal.getsignal(signal.SIGINT)
+    with StopRequest(one_process, same_press=0.5) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # the same Ctrl-C from the terminal and from a launcher
+        time.sleep(0.05)
+        assert (stop.received, stop.requested(1), stop.exit_status) == ("SIGINT", True, 130)
+        time.sleep(0.5)
+        with pytest.raises(StopAtOnce):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(2)
+        assert signal.getsignal(signal.SIGINT) == previous, "after a second Ctrl-C, a third one is Python's again"
+    with StopRequest(one_process) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert stop.received == "SIGTERM" and stop.exit_status == 143, "the first signal names the stop"
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and signal.getsignal(signal.SIGINT) == previous
+
+
+def _ctrl_c_in_a_forked_child() -> None:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.2)
+
+
+def test_a_forked_data_loader_worker_leaves_ctrl_c_to_its_parent():
+    with StopRequest(types.SimpleNamespace(num_processes=1, is_main_process=False)) as stop:
+        child = multiprocessing.get_context("fork").Process(target=_ctrl_c_in_a_forked_child)
+        child.start()
+        child.join(30)
+    assert child.exitcode == 0 and stop.received is None
+
+
+def test_launchers_are_recognised_by_their_command_line():
+    assert launcher_name(["/v/bin/python", "/v/bin/accelerate", "launch", "-m", "tutorial_lib.train"]) == "accelerate launch"
+    assert launcher_name(["python", "-m", "accelerate.commands.launch", "x.py"]) == "accelerate.commands.launch"
+    assert launcher_name(["/v/bin/python", "/v/bin/accelerate-launch", "x.py"]) == "accelerate-launch"
+    assert launcher_name(["/v/bin/python", "/v/bin/torchrun", "--nproc_per_node", "2", "x.py"]) == "torchrun"
+    assert launcher_name(["python", "-m", "torch.distributed.run", "x.py"]) == "torch.distributed.run"
+    assert launcher_name(["/bin/bash"]) is None and launcher_name(["python", "-m", "ipykernel_launcher"]) is None
+
+
+def test_the_default_stress_run_draws_ctrl_c_and_runs_its_last_trials_under_accelerate_launch():
+    """`python -m tutorial_lib.stress resume --trials 10`: seeded plans (18 saves) with Ctrl-C kills beside SIGTERM and
+    SIGKILL, and its last 3 trials under a one-process `accelerate launch`, of both kinds."""
+    from tutorial_lib.stress import get_args_parser, trial_kill_plans
+
+    kinds = [p.kind for t in range(10) for p in trial_kill_plans(0, t, 3, 18, 1.5)]
+    assert kinds.count("sigint") >= 2 and kinds.count("sigterm") >= 5 and kinds.count("during_save") >= 10, kinds
+    args = get_args_parser().parse_args(["resume"])
+    assert (args.trials, args.accelerate_trials) == (10, 3)
