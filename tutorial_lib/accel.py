@@ -155,8 +155,9 @@ def process_index(accelerator=None) -> int:
 
 
 def is_main_process(accelerator=None) -> bool:
-    """Whether this is process 0, the one that prints, logs and saves: the course's one way to ask (06)."""
-    return process_index(accelerator) == 0
+    """Whether this is process 0, the one that prints, logs and saves: the course's one way to ask (06). The
+    `accelerator`'s own answer when given, else `process_index() == 0`."""
+    return bool(accelerator.is_main_process) if accelerator is not None else process_index() == 0
 
 
 def _to_jsonable(value: Any) -> Any:

@@ -52,7 +52,7 @@ non_negative_int = number_flag(int, 0)
 positive_float = number_flag(float, 0, low_open=True, what="a positive number")
 non_negative_float = number_flag(float, 0)
 
-
+# %% ../notebooks/00a_course_tools.ipynb #a1435056
 class OneLineParser(argparse.ArgumentParser):
     """An `ArgumentParser` whose errors are one line, `prog: error: ...`, exit status 2, without the usage
     block; abbreviated flags are refused (`--lr` must not silently mean `--lr_scheduler`). With `error_type`
@@ -242,7 +242,7 @@ def course_notebooks(folder: str | os.PathLike = "notebooks") -> list[Path]:
     deepens (`00_…`), since "_" sorts before the letters."""
     return sorted(Path(folder).glob(COURSE_NOTEBOOKS))
 
-
+# %% ../notebooks/00a_course_tools.ipynb #9fc6ac89
 def run_notebooks(paths: Iterable[str | os.PathLike], smoke: bool = False, timeout: float = 3600,
                   clean: bool = True) -> dict[str, float]:
     """Execute notebooks top to bottom in a fresh kernel each and return the seconds each took.
