@@ -593,7 +593,7 @@ _SIZE_FLAGS = {
 
 def get_args_parser() -> argparse.ArgumentParser:
     """`python -m tutorial_lib.bench {loop,gpu,data}`: the benchmarks of notebook 10. Flags are spelled as the training
-    script's (`--batch_size`), every default shows in `--help`, and a bad value is one line and exit status 2 (00)."""
+    script's (`--batch_size`), every default shows in `--help`, and a bad value is one line and exit status 2 (00a)."""
     parser = OneLineParser(prog="python -m tutorial_lib.bench", formatter_class=HelpFormatter,
                            description="The benchmarks of notebook 10; every subcommand ends with one JSON line.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{loop,gpu,data}")

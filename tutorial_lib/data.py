@@ -2102,7 +2102,7 @@ def _unpack_archives(paths: dict[str, Path], devkit: Devkit, out: Path, log: Cal
 
 # %% ../notebooks/07_data_pipeline.ipynb #cd8e8b10
 def get_args_parser() -> argparse.ArgumentParser:
-    """`python -m tutorial_lib.data {prepare-val,bench,shard,from-archives}`: 00's conventions (flags with
+    """`python -m tutorial_lib.data {prepare-val,bench,shard,from-archives}`: 00a's conventions (flags with
     underscores, every default in `--help`, values checked where declared, one-line errors)."""
     parser = OneLineParser(prog="python -m tutorial_lib.data", description="07's data tools", formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -710,7 +710,7 @@ def stress_resume(trials: int = 10, seed: int = 0, workdir: str | os.PathLike | 
 
 # %% ../notebooks/11_reliability.ipynb #19aa4330
 def get_args_parser() -> argparse.ArgumentParser:
-    """`python -m tutorial_lib.stress resume --trials N [--seed S] ...` (11): 00's conventions, as the training script
+    """`python -m tutorial_lib.stress resume --trials N [--seed S] ...` (11): 00a's conventions, as the training script
     (one-line errors, every default in `--help`, each value checked where it is declared)."""
     parser = OneLineParser(prog="python -m tutorial_lib.stress", formatter_class=HelpFormatter,
                            description="Reliability checks of the training script (notebook 11).")

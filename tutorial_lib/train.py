@@ -153,7 +153,7 @@ def train_one_epoch(run: Run, epoch: int, timer: StepTimer | None = None) -> Epo
     # After a mid-epoch resume, skip the micro-batches this epoch already consumed
     loader = skip_first_batches(run.train_loader, state.batches_done) if state.batches_done else run.train_loader
     bar = Progress(total=len(run.train_loader), initial=state.batches_done, desc=f"epoch {epoch}", unit="batches",
-                   disable=args.disable_progress_bar or not accelerator.is_main_process)  # 00: a bar, or lines in a log
+                   disable=args.disable_progress_bar or not accelerator.is_main_process)  # 00a: a bar, or lines in a log
     guard = NonFiniteGuard(accelerator, args.on_nonfinite_loss, state.nonfinite_skipped, state.nonfinite_in_a_row,
                            inject_at=args.inject_nan_at_steps)  # 06: a NaN/Inf loss stops or skips, on every process
     res = train_resolution(args, epoch)  # --img_size, or this epoch's progressive-resizing resolution (10)
@@ -689,7 +689,7 @@ RECIPE_V1 = dict(model="resnet50", epochs=90, batch_size=32, lr_base=0.1, lr_bas
 def get_args_parser(add_help: bool = True, exit_on_error: bool = True) -> argparse.ArgumentParser:
     """The command line of `accelerate launch -m tutorial_lib.train` / `tutorial-train` (08); with
     `exit_on_error=False` a bad value raises `BadFlagError` instead of ending the process."""
-    parser = OneLineParser(  # 00's convention: every value checked by its type=, errors in one line
+    parser = OneLineParser(  # 00a's convention: every value checked by its type=, errors in one line
         prog="tutorial-train", add_help=add_help, formatter_class=HelpFormatter, error_type=None if exit_on_error else BadFlagError,
         description="Train an image classifier (ResNet50 on ImageNet by default) with Accelerate, on 1 CPU "
                     "to many GPUs. Launch with `accelerate launch -m tutorial_lib.train [flags]`.",
@@ -799,7 +799,7 @@ def add_speed_and_checkpoint_flags(group, checkpoints) -> None:
 # %% ../notebooks/08_training_script.ipynb #337852c2
 def default_args(**overrides) -> argparse.Namespace:
     """The command line's defaults with `overrides` applied, each checked by its flag's `type=` as if typed
-    (00's `parse_overrides`; `BadFlagError` otherwise). For notebooks and tests."""
+    (00a's `parse_overrides`; `BadFlagError` otherwise). For notebooks and tests."""
     return parse_overrides(get_args_parser(exit_on_error=False), **overrides)
 
 
