@@ -1350,10 +1350,10 @@ def check_trackers(log_with: list[str]) -> None:
         # once, where a fallback would quietly contradict an explicit setting (W&B itself fails after seconds).
         if mode == "online" and not wandb_api_key_configured():
             raise UserError("WANDB_MODE=online but W&B has no API key here (WANDB_API_KEY or `wandb login`): "
-                                 "log in, or unset WANDB_MODE to log offline and upload later with `wandb sync`")
+                            "log in, or unset WANDB_MODE to log offline and upload later with `wandb sync`")
     if "tensorboard" in log_with and importlib.util.find_spec("tensorboard") is None:
         raise UserError("--log_with tensorboard needs the tensorboard package: pip install tensorboard "
-                             "(or the project's [tensorboard] extra)")
+                        "(or the project's [tensorboard] extra)")
 
 
 def start_trackers(accelerator, project: str, config: dict, run_id: str, name: str, run_dir: str | os.PathLike) -> str:

@@ -86,7 +86,7 @@ def find_split_dirs(root: str | os.PathLike) -> tuple[Path, Path]:
     root = Path(root).expanduser()
     if not root.exists():
         raise MissingPathError(f"data folder {root} does not exist: pass the folder that holds train/ and val/ "
-                                "(for example --path_to_data /data/imagenet)")
+                               "(for example --path_to_data /data/imagenet)")
     if not root.is_dir():
         raise NotADirectoryError(f"{root} is a file: pass the folder that holds train/ and val/")
     expected = f"expected {root}/train/<class>/*.JPEG and {root}/val/<class>/*.JPEG"
@@ -270,8 +270,8 @@ def resolve_data_source(path_to_data: str | os.PathLike | DataSource) -> DataSou
             require_datasets(f"{text} (not a local folder, so a Hugging Face Hub id)")
             return DataSource("hub", text)
         raise MissingPathError(f"data folder {root} does not exist: pass the folder that holds train/ and val/ or "
-                                "parquet shards (for example --path_to_data /data/imagenet), or a Hugging Face Hub id "
-                                "such as ILSVRC/imagenet-1k")
+                               "parquet shards (for example --path_to_data /data/imagenet), or a Hugging Face Hub id "
+                               "such as ILSVRC/imagenet-1k")
     if root.is_file():
         hint = (f"unpack the official archives first: python -m tutorial_lib.data from-archives {root.parent} OUT_DIR"
                 if root.name in OFFICIAL_ARCHIVES else "pass the folder that holds the shards"
@@ -2019,12 +2019,12 @@ def from_archives(archive_dir: str | os.PathLike, out_dir: str | os.PathLike, lo
     archive_dir, out = Path(archive_dir).expanduser(), Path(out_dir).expanduser()
     if not archive_dir.is_dir():
         raise MissingPathError(f"archive folder {archive_dir} does not exist: pass the folder that holds "
-                                f"{', '.join(OFFICIAL_ARCHIVES)}")
+                               f"{', '.join(OFFICIAL_ARCHIVES)}")
     paths = dict(zip(("train", "val", "devkit"), (archive_dir / name for name in OFFICIAL_ARCHIVES)))
     missing = [p.name for p in paths.values() if not p.is_file()]
     if missing:
         raise MissingPathError(f"{archive_dir} has no {', '.join(missing)} (it holds: {_listing(archive_dir)}): "
-                                "download the ILSVRC2012 archives from image-net.org into it")
+                               "download the ILSVRC2012 archives from image-net.org into it")
     devkit = read_devkit(paths["devkit"])
     try:
         return _unpack_archives(paths, devkit, out, log, progress_interval)

@@ -155,7 +155,8 @@ def _fork_child(module: str, argv: list[str], out_path: str, err_path: str, cwd:
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     from importlib import import_module
 
-    import_module(module).main(argv)  # 00a's cli_main: returns on success, raises SystemExit(status) otherwise
+    # as `sys.exit(main())` ends a script: the course's mains (00a's cli_main) return None or raise SystemExit(status)
+    raise SystemExit(import_module(module).main(argv))
 
 
 def enter_small_disk(folder: str | os.PathLike, size: str) -> None:
