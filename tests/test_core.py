@@ -202,7 +202,7 @@ def test_a_failed_launch_raises_with_the_launcher_error(tmp_path):
 def test_run_notebooks_leaves_files_alone_in_smoke_mode_and_writes_full_mode_outputs(tmp_path):
     import nbformat
 
-    from tutorial_lib.core import run_notebooks
+    from tutorial_lib.cli import run_notebooks
 
     path = tmp_path / "demo.ipynb"
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
@@ -247,7 +247,7 @@ def test_training_script_help_prints_one_default_per_flag():
 def test_help_formatter_keeps_a_default_said_in_words_and_adds_the_others():
     import argparse
 
-    from tutorial_lib.core import HelpFormatter
+    from tutorial_lib.cli import HelpFormatter
 
     parser = argparse.ArgumentParser(prog="demo", formatter_class=HelpFormatter)
     parser.add_argument("--size", type=int, default=None, help="evaluation size (default: --train_size)")

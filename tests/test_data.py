@@ -31,6 +31,7 @@ from tutorial_lib.data import (IMAGENET_MEAN, IMAGENET_STD, SKIPPED_LABEL, CropP
                                format_data_benchmark, jpeg_size, largest_dct_reduction, list_images, load_pil_rgb,
                                main, normalize_on_device, prepare_val, read_bytes, read_val_mapping,
                                resized_crop_uint8, run_data_benchmark, sample_crop, scan_image_folder)
+from train_helpers import exit_status
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT / "tests" / "assets" / "imagenet"
@@ -722,7 +723,7 @@ def test_prepare_val_command_line(tmp_path):
     assert dry.returncode == 0 and "to move: 6" in dry.stdout and "dry run" in dry.stdout
     assert len(list(val.glob("*.JPEG"))) == 6
     bad = run(tmp_path / "nowhere", csv_path)
-    assert bad.returncode == 2 and bad.stderr.startswith("error: validation folder") and bad.stderr.count("\n") == 1
+    assert bad.returncode == 2 and bad.stderr.startswith("python -m tutorial_lib.data: error: validation folder") and bad.stderr.count("\n") == 1
 
 
 def test_prepare_val_with_its_arguments_swapped_says_so(tmp_path):
@@ -734,12 +735,12 @@ def test_prepare_val_with_its_arguments_swapped_says_so(tmp_path):
 
 def test_main_applies_and_returns_2_on_a_mismatch(tmp_path, capsys):
     val = flat_val(tmp_path / "ok")
-    assert main(["prepare-val", str(val), str(kaggle_csv(tmp_path / "m.csv")), "--apply"]) == 0
+    assert exit_status(main, ["prepare-val", str(val), str(kaggle_csv(tmp_path / "m.csv")), "--apply"]) == 0
     assert "moved 6 images into 3 class folders" in capsys.readouterr().out
     val = flat_val(tmp_path / "val")
     text = tmp_path / "labels.txt"
     text.write_text("ILSVRC2012_val_00000001.JPEG n01440764\n")
-    assert main(["prepare-val", str(val), str(text), "--apply"]) == 2
+    assert exit_status(main, ["prepare-val", str(val), str(text), "--apply"]) == 2
     assert "disagree" in capsys.readouterr().err and len(list(val.glob("*.JPEG"))) == 6
 
 
@@ -753,7 +754,7 @@ def test_a_csv_with_a_byte_order_mark_is_read_as_without(tmp_path):
     bom.write_bytes(b"\xef\xbb\xbf" + kaggle_csv(tmp_path / "plain.csv").read_bytes())  # as spreadsheets save CSV
     assert read_val_mapping(bom) == TRUTH
     val = flat_val(tmp_path / "val")
-    assert main(["prepare-val", str(val), str(bom), "--apply"]) == 0
+    assert exit_status(main, ["prepare-val", str(val), str(bom), "--apply"]) == 0
     assert len(scan_image_folder(val)[1]) == 6
 
 
@@ -803,9 +804,9 @@ def test_prepare_val_refuses_an_unusable_mapping_with_one_line_and_changes_nothi
     mapping = unusable_mapping(tmp_path, case)
     before = listing(tmp_path)
     for extra in ([], ["--apply"], ["--apply", "--link", "--out", str(tmp_path / "linked")]):
-        assert main(["prepare-val", str(val), str(mapping), *extra]) == 2
+        assert exit_status(main, ["prepare-val", str(val), str(mapping), *extra]) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith(f"error: {mapping}") and all(w in err for w in words), err
+        assert err.count("\n") == 1 and err.startswith(f"python -m tutorial_lib.data: error: {mapping}") and all(w in err for w in words), err
         assert listing(tmp_path) == before, "a refused run changes nothing"
 
 

@@ -21,9 +21,8 @@ import pytest
 
 from tutorial_lib.accel import (EXIT_STATUS_ENV, StopAtOnce, StopRequest, launch_with_timeout, latest_checkpoint,
                                 launcher_name, list_checkpoints, read_exit_status, record_exit_status)
-from tutorial_lib.core import config_path
-from tutorial_lib.stress import (CliResult, TrainingProcess, _running, as_flags, child_env, make_image_folder, run_cli,
-                                 sha256_file)
+from tutorial_lib.cli import as_flags, config_path
+from tutorial_lib.stress import CliResult, TrainingProcess, _running, child_env, make_image_folder, run_cli, sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = dict(model="tinycnn", img_size=16, batch_size=4, learning_rate=0.05, num_workers=0, cpu=True, log_with="none",

@@ -27,7 +27,10 @@ import pytest
 import tutorial_lib.data as data_module
 from tutorial_lib.data import (DataLayoutError, DataSourceError, UnreadableImageError, build_datasets,
                                embedded_data_path, from_archives, main, prepare_val, scan_image_folder)
-from tutorial_lib.stress import as_flags, assert_user_error, child_env, make_image_folder, run_cli
+from train_helpers import assert_user_error, exit_status
+
+from tutorial_lib.cli import as_flags
+from tutorial_lib.stress import child_env, make_image_folder, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = embedded_data_path()
@@ -52,7 +55,7 @@ def listing(folder: Path) -> list[tuple[str, int]]:
 
 def one_error_line(err: str) -> str:
     lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), f"expected one line 'error: ...', got:\n{err}"
+    assert len(lines) == 1 and lines[0].startswith("python -m tutorial_lib.data: error: "), f"expected one line 'error: ...', got:\n{err}"
     return lines[0]
 
 
@@ -100,7 +103,7 @@ def test_prepare_val_refuses_devkit_class_names_that_leave_the_folder(tmp_path, 
     val = flat_val(tmp_path / "a" / "b" / "val", 4)
     extra = ["--apply"] if mode == "--apply" else ["--apply", "--link", "--out", str(tmp_path / "a" / "b" / "sorted")]
     before = listing(tmp_path)
-    code = main(["prepare-val", str(val), str(devkit), *extra])
+    code = exit_status(main, ["prepare-val", str(val), str(devkit), *extra])
     line = one_error_line(capsys.readouterr().err)
     assert code == 2 and f"meta.mat names class 2 {bad!r}, which cannot be a class folder name" in line, line
     assert listing(tmp_path) == before, "nothing may move, be linked or be created"
@@ -120,7 +123,7 @@ def test_every_class_name_source_passes_the_same_check(tmp_path, capsys, source)
         mapping.write_text("".join(f"{k}.JPEG {v}\n" for k, v in truth.items()) if source == "text mapping" else
                            "ImageId,PredictionString\n" + "".join(f"{k},{v} 1 2 3 4\n" for k, v in truth.items()))
         before = listing(tmp_path)
-        assert main(["prepare-val", str(val), str(mapping), "--apply"]) == 2
+        assert exit_status(main, ["prepare-val", str(val), str(mapping), "--apply"]) == 2
         assert "'../../escaped' cannot be a class folder name: it is a path" in one_error_line(capsys.readouterr().err)
     assert listing(tmp_path) == before
 
@@ -132,7 +135,7 @@ def test_from_archives_refuses_a_devkit_whose_class_names_leave_the_folder(tmp_p
     for name in ("ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar"):
         with tarfile.open(archives / name, "w"):
             pass
-    assert main(["from-archives", str(archives), str(tmp_path / "out" / "imagenet")]) == 2
+    assert exit_status(main, ["from-archives", str(archives), str(tmp_path / "out" / "imagenet")]) == 2
     assert "'../escaped', which cannot be a class folder name" in one_error_line(capsys.readouterr().err)
     assert not (tmp_path / "out").exists() and not (tmp_path / "escaped").exists()
 
@@ -164,7 +167,7 @@ def test_prepare_val_checks_every_move_before_the_first(tmp_path, capsys, case):
         (val / "n02").write_text("a note, not a class folder")
         extra, words = [], f"1 class folders are files ({val / 'n02'})"
     before = listing(tmp_path)
-    assert main(["prepare-val", str(val), str(mapping), "--apply", *extra]) == 2
+    assert exit_status(main, ["prepare-val", str(val), str(mapping), "--apply", *extra]) == 2
     line = one_error_line(capsys.readouterr().err)
     assert words in line and "nothing was changed" in line, line
     assert listing(tmp_path) == before, "no image may have moved or been linked"
@@ -206,7 +209,7 @@ def test_from_archives_unlinks_a_symlinked_leftover_and_never_writes_through_it(
     where = out / "train" if leftover.startswith(".tmp-n") else out
     where.mkdir(parents=True)
     os.symlink(precious, where / leftover)
-    assert main(["from-archives", str(archives), str(out)]) == 0, capsys.readouterr().err
+    assert exit_status(main, ["from-archives", str(archives), str(out)]) == 0, capsys.readouterr().err
     assert sorted(str(p.relative_to(precious)) for p in precious.rglob("*")) == ["keep.txt", "n01440764"]
     assert (precious / "keep.txt").read_text() == "mine"
     assert not (out / "val").is_symlink() and len(scan_image_folder(out / "val")[1]) == 4
@@ -221,7 +224,7 @@ def test_a_leftover_that_cannot_be_removed_is_named(tmp_path, capsys, monkeypatc
         raise PermissionError(13, "Permission denied")  # no file name in the error, as rmtree's own link error
 
     monkeypatch.setattr(data_module.shutil, "rmtree", refuse)
-    assert main(["from-archives", str(archives), str(out)]) == 2
+    assert exit_status(main, ["from-archives", str(archives), str(out)]) == 2
     line = one_error_line(capsys.readouterr().err)
     assert f"cannot remove {out / 'train' / '.tmp-n01440764'}, left by an interrupted run" in line, line
 
@@ -237,15 +240,15 @@ def test_tilde_in_the_data_tools_paths_is_the_home_folder(tmp_path, capsys, monk
         flat_val(home / "val", 2)
         (home / "labels.txt").write_text("ILSVRC2012_val_00000001.JPEG n01\nILSVRC2012_val_00000002.JPEG n02\n")
         extra = ["--link", "--out", "~/sorted"] if "--link" in command else []
-        assert main(["prepare-val", "~/val", "~/labels.txt", "--apply", *extra]) == 0, capsys.readouterr().err
+        assert exit_status(main, ["prepare-val", "~/val", "~/labels.txt", "--apply", *extra]) == 0, capsys.readouterr().err
         assert len(list(home.glob(f"{'sorted' if extra else 'val'}/n0*/*.JPEG"))) == 2
     elif command == "shard":
         make_image_folder(home / "src", classes=2, train_per_class=2, val_per_class=1)
-        assert main(["shard", "~/src", "~/shards"]) == 0, capsys.readouterr().err
+        assert exit_status(main, ["shard", "~/src", "~/shards"]) == 0, capsys.readouterr().err
         assert len(list((home / "shards" / "data").glob("*.parquet"))) == 2
     else:
         archives_of(home / "archives")
-        assert main(["from-archives", "~/archives", "~/imagenet"]) == 0, capsys.readouterr().err
+        assert exit_status(main, ["from-archives", "~/archives", "~/imagenet"]) == 0, capsys.readouterr().err
         assert len(scan_image_folder(home / "imagenet" / "val")[1]) == 4
     assert not (tmp_path / "~").exists(), "no folder named '~' in the working directory"
 

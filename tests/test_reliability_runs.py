@@ -16,10 +16,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from train_helpers import assert_user_error
+
 from tutorial_lib.accel import MANIFEST, latest_checkpoint, list_checkpoints
+from tutorial_lib.cli import as_flags
 from tutorial_lib.core import free_port
-from tutorial_lib.stress import (CliResult, as_flags, assert_user_error, can_mount_small_disk, child_env,
-                                 make_image_folder, run_cli, sha256_file)
+from tutorial_lib.stress import CliResult, can_mount_small_disk, child_env, make_image_folder, run_cli, sha256_file
 
 pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
 

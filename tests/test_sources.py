@@ -27,13 +27,13 @@ import torch
 from torch.utils.data import DataLoader
 
 import tutorial_lib.data as data_module
-from tutorial_lib.data import (DataLayoutError, DataSourceError, Devkit, RecordDataset, UnreadableImageError, _Progress,
+from tutorial_lib.data import (DataLayoutError, DataSourceError, Devkit, RecordDataset, UnreadableImageError,
                                build_datasets, embedded_data_path, from_archives, main, read_devkit,
                                resolve_data_source, run_data_benchmark, scan_image_folder, verify_unpacked,
                                write_shards)
 from tutorial_lib.accel import latest_checkpoint
 from tutorial_lib.train import default_args, train
-from train_helpers import ROOT, TINY, bitwise_equal, launch, max_weight_difference, weights
+from train_helpers import ROOT, TINY, bitwise_equal, exit_status, launch, max_weight_difference, weights
 
 EMBEDDED = embedded_data_path()
 # The Arrow schema of ILSVRC/imagenet-1k's parquet files, written out by hand (not taken from our code)
@@ -339,17 +339,6 @@ def test_shard_resumes_and_refuses_another_runs_shards(tmp_path):
         write_shards(src, out, shard_mb=1, log=lambda s: None)
 
 
-def test_progress_is_one_line_per_interval_when_not_a_terminal():
-    log = io.StringIO()
-    progress = _Progress(3_000_000, "job", interval=0.0, file=log)
-    for _ in range(3):
-        progress.update(1_000_000)
-    progress.close()
-    lines = log.getvalue().splitlines()
-    assert len(lines) == 4 and lines[0].startswith("job: 1.0 MB of 3.0 MB (33 %)") and "\r" not in log.getvalue()
-    assert lines[-1].startswith("job: done, 3.0 MB in")
-
-
 # --- from-archives: the official ILSVRC2012 archives → folders -----------------------------------------------
 
 def add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -499,7 +488,7 @@ def test_from_archives_refuses_user_errors_with_exit_2_before_writing(tmp_path, 
     elif case == "not a devkit":
         with tarfile.open(archives / "ILSVRC2012_devkit_t12.tar.gz", "w:gz") as tar:
             add_bytes(tar, "readme.txt", b"hello")
-    assert main(["from-archives", str(archives), str(tmp_path / "out")]) == 2
+    assert exit_status(main, ["from-archives", str(archives), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and all(w in err for w in words), err
     assert not (tmp_path / "out").exists(), "nothing may be written before the checks pass"
@@ -523,7 +512,7 @@ def test_prepare_val_reads_the_devkit_class_numbers_through_its_meta_mat(tmp_pat
         if form == "ground truth beside meta.mat":
             devkit = devkit / "data" / "ILSVRC2012_validation_ground_truth.txt"
     val = flat_val_of(tmp_path / "val")
-    assert main(["prepare-val", str(val), str(devkit), "--apply"]) == 0
+    assert exit_status(main, ["prepare-val", str(val), str(devkit), "--apply"]) == 0
     classes, samples = scan_image_folder(val)
     assert {Path(p).name: classes[y] for p, y in samples} == {f"ILSVRC2012_val_{k:08d}.JPEG": w
                                                               for k, w in enumerate(VAL, start=1)}
@@ -533,7 +522,7 @@ def test_prepare_val_with_a_devkit_that_does_not_match_changes_nothing(tmp_path,
     devkit = make_archives(tmp_path / "archives") / "ILSVRC2012_devkit_t12.tar.gz"
     val = flat_val_of(tmp_path / "val", n=len(VAL) - 1)
     before = sorted(p.name for p in val.iterdir())
-    assert main(["prepare-val", str(val), str(devkit), "--apply"]) == 2
+    assert exit_status(main, ["prepare-val", str(val), str(devkit), "--apply"]) == 2
     err = capsys.readouterr().err
     assert "1 labels have no image (ILSVRC2012_val_00000005)" in err and "nothing was changed" in err
     assert sorted(p.name for p in val.iterdir()) == before
@@ -551,11 +540,11 @@ def test_declared_counts_are_verified_and_the_official_devkit_demands_ilsvrc2012
 
 
 def test_data_command_line_runs_shard_and_refuses_from_archives_without_archives(tmp_path, capsys):
-    assert main(["shard", str(tiny_tree(tmp_path / "src")), str(tmp_path / "shards"), "--shard_mb", "0.01"]) == 0
+    assert exit_status(main, ["shard", str(tiny_tree(tmp_path / "src")), str(tmp_path / "shards"), "--shard_mb", "0.01"]) == 0
     assert resolve_data_source(tmp_path / "shards").kind == "parquet"
     done = subprocess.run([sys.executable, "-m", "tutorial_lib.data", "from-archives", str(tmp_path / "nothing"),
                            str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert done.returncode == 2 and done.stderr.startswith("error: archive folder") and not (tmp_path / "out").exists()
+    assert done.returncode == 2 and done.stderr.startswith("python -m tutorial_lib.data: error: archive folder") and not (tmp_path / "out").exists()
 
 
 # --- the benchmark -------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Shared helpers of tests/test_train.py and tests/test_train_distributed.py (not a test module).
+"""Shared helpers of the tests (not a test module): runs of the training script, and its command line's outcomes.
 
 Runs are small: `tinycnn` (no BatchNorm) or `resnet18` at 16-32 px on a seeded subset of the
 embedded dataset, which is committed with the package (no download, no shared data)."""
@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from tutorial_lib.cli import as_flags  # noqa: F401 (the tests import it from here too)
 from tutorial_lib.core import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,17 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(model="tinycnn", img_size=16, epochs=2, learning_rate=0.05, momentum=0.9, weight_decay=1e-4,
             lr_scheduler="step", lr_step_size=1, step_lr_decay=0.5, num_workers=0, cpu=True,
             max_train_samples=80, max_val_samples=37, disable_progress_bar=True, log_with="none")
-
-
-def as_flags(options: dict) -> list[str]:
-    """`{"batch_size": 8, "cpu": True}` -> `["--batch_size", "8", "--cpu"]`."""
-    flags = []
-    for key, value in options.items():
-        if value is True:
-            flags.append(f"--{key}")
-        elif value is not False and value is not None:
-            flags += [f"--{key}", str(value)]
-    return flags
 
 
 def launch(options: dict, num_processes: int = 2, launcher: list[str] | None = None, timeout: int = 240) -> str:
@@ -59,3 +49,22 @@ def max_weight_difference(a: dict, b: dict) -> float:
 
 def bitwise_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def exit_status(main, argv: list[str]) -> int:
+    """The exit status of a command line run in this process: every `main` of the course (00a's `cli_main`) returns
+    on success and raises `SystemExit(status)` otherwise."""
+    try:
+        main(argv)
+    except SystemExit as exit_:
+        return exit_.code
+    return 0
+
+
+def assert_user_error(result, message: str, code: int = 2) -> None:
+    """A refused input (`result`: a `tutorial_lib.stress.CliResult`): exit `code`, exactly one line
+    `tutorial-train: error: <message>` on stderr, no traceback."""
+    assert not result.has_traceback, f"a traceback was printed:\n{result.stderr[-2000:]}"
+    assert result.returncode == code, f"exit code {result.returncode}, expected {code}; stderr:\n{result.stderr[-2000:]}"
+    assert result.stderr_lines == [f"tutorial-train: error: {message}"], \
+        f"stderr should be one line\n  tutorial-train: error: {message}\ngot:\n" + "\n".join(result.stderr_lines)

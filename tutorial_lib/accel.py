@@ -28,21 +28,21 @@ from urllib.parse import urlsplit
 
 import torch
 
-from .core import free_port
+from .core import UserError, free_port
 
 # %% auto #0
 __all__ = ['IGNORE_LABEL', 'CHECKPOINT_FORMAT', 'MANIFEST', 'PROGRESS_FILE', 'RUN_LOCK', 'RUN_OUTPUTS', 'LAUNCHERS',
-           'EXIT_STATUS_ENV', 'WANDB_MODES', 'launch_with_timeout', 'launched_threads', 'MetricsLogger', 'read_metrics',
-           'format_metrics_table', 'UserInputError', 'LaunchError', 'overlapping_copies', 'build_accelerator',
-           'ClassificationMetrics', 'merge_metrics', 'MissingPathError', 'CheckpointError', 'RunFolderError',
-           'checkpoint_root', 'list_checkpoints', 'incomplete_checkpoints', 'latest_checkpoint', 'fsync_path',
-           'atomic_write_text', 'sha256_file', 'model_signature', 'DiskFullError', 'format_bytes', 'check_free_space',
-           'follow_umask', 'save_checkpoint', 'save_final_model', 'verify_checkpoint', 'load_checkpoint',
-           'resolve_resume_path', 'TrainState', 'folder_run_id', 'resume_state', 'RunLock', 'run_outputs',
-           'check_writable', 'claim_run_folder', 'write_run_config', 'cut_metrics', 'NonFiniteLossError',
-           'NonFiniteGuard', 'StopAtOnce', 'StopRequest', 'launcher_name', 'follow_launcher', 'record_exit_status',
-           'read_exit_status', 'wandb_api_key_configured', 'resolve_wandb_mode', 'wandb_server_problem',
-           'check_trackers', 'start_trackers', 'read_wandb_offline_run']
+           'EXIT_STATUS_ENV', 'WANDB_MODES', 'launch_with_timeout', 'launched_threads', 'process_index',
+           'is_main_process', 'MetricsLogger', 'read_metrics', 'format_metrics_table', 'LaunchError',
+           'overlapping_copies', 'build_accelerator', 'ClassificationMetrics', 'merge_metrics', 'MissingPathError',
+           'CheckpointError', 'RunFolderError', 'checkpoint_root', 'list_checkpoints', 'incomplete_checkpoints',
+           'latest_checkpoint', 'fsync_path', 'atomic_write_text', 'sha256_file', 'model_signature', 'DiskFullError',
+           'format_bytes', 'check_free_space', 'follow_umask', 'save_checkpoint', 'save_final_model',
+           'verify_checkpoint', 'load_checkpoint', 'resolve_resume_path', 'TrainState', 'folder_run_id', 'resume_state',
+           'RunLock', 'run_outputs', 'check_writable', 'claim_run_folder', 'write_run_config', 'cut_metrics',
+           'NonFiniteLossError', 'NonFiniteGuard', 'StopAtOnce', 'StopRequest', 'launcher_name', 'follow_launcher',
+           'record_exit_status', 'read_exit_status', 'wandb_api_key_configured', 'resolve_wandb_mode',
+           'wandb_server_problem', 'check_trackers', 'start_trackers', 'read_wandb_offline_run']
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #8f8d11a1
 def launch_with_timeout(fn, args: tuple = (), num_processes: int = 2, timeout: float | None = None,
@@ -136,13 +136,28 @@ class _WithoutLaunchBanner:
 
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #00edb7a2
-def _is_main_process(accelerator=None) -> bool:
-    """Rank 0 according to the accelerator, else torch.distributed, else the `RANK` variable."""
+def process_index(accelerator=None) -> int:
+    """Which process of the run this is (0 … N−1), with or without an `Accelerator` at hand (06).
+
+    Asks the `accelerator` if given; else torch.distributed's group once it is set up; else the `RANK` variable that
+    every launcher (torchrun, `notebook_launcher`, `debug_launcher`) gives its processes before anything is built,
+    so that a bad flag is said once; else accelerate's `PartialState` if one was built (asked last: a forked process
+    inherits its parent's); else 0, a lone process."""
     if accelerator is not None:
-        return bool(accelerator.is_main_process)
+        return int(accelerator.process_index)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank() == 0
-    return int(os.environ.get("RANK", "0")) == 0
+        return torch.distributed.get_rank()
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    from accelerate.state import PartialState
+
+    return int(PartialState().process_index) if PartialState._shared_state else 0
+
+
+def is_main_process(accelerator=None) -> bool:
+    """Whether this is process 0, the one that prints, logs and saves: the course's one way to ask (06). The
+    `accelerator`'s own answer when given, else `process_index() == 0`."""
+    return bool(accelerator.is_main_process) if accelerator is not None else process_index() == 0
 
 
 def _to_jsonable(value: Any) -> Any:
@@ -168,7 +183,7 @@ class MetricsLogger:
 
     The local record of a run (`metrics.jsonl`), independent of W&B; taught in 06, written by the
     training script (08) and plotted in 09. Pass the `accelerator` if you have one; without it
-    rank 0 is found from `torch.distributed` or the `RANK` variable."""
+    `is_main_process` finds rank 0."""
 
     def __init__(self, path: str | os.PathLike, accelerator=None):
         self.path = Path(path)
@@ -176,7 +191,7 @@ class MetricsLogger:
 
     @property
     def is_main_process(self) -> bool:
-        return _is_main_process(self.accelerator)
+        return is_main_process(self.accelerator)
 
     def log(self, metrics: dict) -> None:
         """Append `metrics` as one line (tensors and NumPy scalars become numbers); no-op off rank 0."""
@@ -214,12 +229,7 @@ def format_metrics_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #f813dc8a
-class UserInputError(Exception):
-    """A problem the user fixes (a flag, the data, a checkpoint): the training script prints one line
-    and exits 2 instead of a traceback (08, 11)."""
-
-
-class LaunchError(UserInputError):
+class LaunchError(UserError):
     """A launch that cannot do what was asked (processes that are not connected, fp16 on a CPU)."""
 
 
@@ -397,15 +407,15 @@ def merge_metrics(a: dict, b: dict) -> dict:
     return {**{k: (a[k] * a["count"] + b[k] * b["count"]) / n for k in ("loss", "top1", "top5")}, "count": n}
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #ff4a7d63
-class MissingPathError(UserInputError, FileNotFoundError):
+class MissingPathError(UserError, FileNotFoundError):
     """A path given on the command line (data, checkpoint) that does not exist or is not what it should be."""
 
 
-class CheckpointError(UserInputError, ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that is incomplete, corrupt, unsafe to load, or written by another model or run."""
 
 
-class RunFolderError(UserInputError):
+class RunFolderError(UserError):
     """A run folder that holds another run, that another run is using right now, or whose `config.json` is damaged."""
 
 
@@ -481,7 +491,7 @@ def model_signature(model: torch.nn.Module) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #23c48d90
-class DiskFullError(UserInputError):
+class DiskFullError(UserError):
     """A checkpoint or the final model did not fit on the disk; the previous checkpoint is intact."""
 
 
@@ -938,14 +948,14 @@ def run_outputs(run_dir: str | os.PathLike) -> list[str]:
 
 def check_writable(folder: str | os.PathLike, what: str) -> None:
     """Create `folder` and write a file in it, now rather than after the first epoch; `what` names it in the one-line
-    `UserInputError` (e.g. "--working_directory runs")."""
+    `UserError` (e.g. "--working_directory runs")."""
     try:
         Path(folder).mkdir(parents=True, exist_ok=True)
         probe = Path(folder) / f".write-test-{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:
-        raise UserInputError(f"{what} is not writable ({err.strerror or err}); choose a folder you can write to") from None
+        raise UserError(f"{what} is not writable ({err.strerror or err}); choose a folder you can write to") from None
 
 
 def claim_run_folder(run_dir: str | os.PathLike, fresh: bool, overwrite: bool = False, accelerator=None,
@@ -1161,7 +1171,7 @@ class StopRequest:
     def _say(self, text: str) -> None:
         """One line on stderr from the main process, written straight to the file descriptor: a signal handler
         can run in the middle of another write to `sys.stderr`, which a second write would break."""
-        if _is_main_process(self.accelerator):
+        if is_main_process(self.accelerator):
             try:
                 os.write(2, f"{text}\n".encode())
             except OSError:
@@ -1247,7 +1257,7 @@ def record_exit_status(status: int) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         Path(tmp).write_text(f"{int(status)}\n")
-        if _is_main_process():
+        if is_main_process():
             os.replace(tmp, path)
         else:
             os.link(tmp, path)  # fails if the file exists: process 0's status, or another's, is already there
@@ -1329,21 +1339,21 @@ def check_trackers(log_with: list[str]) -> None:
     """`--log_with`, before anything starts: 'none' alone, 'tensorboard' only if the package is installed, and
     'wandb' with a `WANDB_MODE` it can honour."""
     if "none" in log_with and len(log_with) > 1:
-        raise UserInputError(f"--log_with {' '.join(log_with)}: 'none' means no tracker; give it alone")
+        raise UserError(f"--log_with {' '.join(log_with)}: 'none' means no tracker; give it alone")
     if "wandb" in log_with:
         try:
             mode = resolve_wandb_mode()
         except ValueError as err:
-            raise UserInputError(str(err)) from None
+            raise UserError(str(err)) from None
         # WANDB_MODE=online without a key (only an explicit WANDB_MODE gives that) is refused rather than logged
         # offline: the user asked for online logging, which cannot work here; refusing costs a second and is fixed at
         # once, where a fallback would quietly contradict an explicit setting (W&B itself fails after seconds).
         if mode == "online" and not wandb_api_key_configured():
-            raise UserInputError("WANDB_MODE=online but W&B has no API key here (WANDB_API_KEY or `wandb login`): "
-                                 "log in, or unset WANDB_MODE to log offline and upload later with `wandb sync`")
+            raise UserError("WANDB_MODE=online but W&B has no API key here (WANDB_API_KEY or `wandb login`): "
+                            "log in, or unset WANDB_MODE to log offline and upload later with `wandb sync`")
     if "tensorboard" in log_with and importlib.util.find_spec("tensorboard") is None:
-        raise UserInputError("--log_with tensorboard needs the tensorboard package: pip install tensorboard "
-                             "(or the project's [tensorboard] extra)")
+        raise UserError("--log_with tensorboard needs the tensorboard package: pip install tensorboard "
+                        "(or the project's [tensorboard] extra)")
 
 
 def start_trackers(accelerator, project: str, config: dict, run_id: str, name: str, run_dir: str | os.PathLike) -> str:

@@ -17,7 +17,8 @@ from .core import global_batch_size
 __all__ = ['activation_bytes', 'training_state_bytes', 'accumulation_steps_for', 'make_toy_cnn', 'toy_batch', 'TinyCNN',
            'split_micro_batches', 'accumulate_gradients', 'gradient_snapshot', 'max_abs_difference',
            'accumulation_windows', 'loss_scale', 'is_optimizer_step', 'train_epoch_with_accumulation',
-           'CommHookRecorder', 'draw_timeline', 'accumulation_timeline_worker', 'run_accumulation_timeline']
+           'CommHookRecorder', 'timed_forward_backward', 'draw_timeline', 'accumulation_timeline_worker',
+           'run_accumulation_timeline']
 
 # %% ../notebooks/01_gradient_accumulation.ipynb #46183f50
 def activation_bytes(model: nn.Module, inputs: torch.Tensor) -> int:
@@ -207,6 +208,16 @@ class CommHookRecorder:
         return future.then(finished)
 
 
+def timed_forward_backward(accelerator, model: nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
+    """Forward and backward of one (micro-)batch, timed: `{"forward": (t0, t1), "backward": (t1, t2)}` in
+    `time.perf_counter()` seconds, the clock of `CommHookRecorder` (01, 02)."""
+    t0 = time.perf_counter()
+    loss = loss_fn(model(inputs), targets)
+    t1 = time.perf_counter()
+    accelerator.backward(loss)
+    return {"forward": (t0, t1), "backward": (t1, time.perf_counter())}
+
+# %% ../notebooks/01_gradient_accumulation.ipynb #c569c9df
 def draw_timeline(ax, bars: Sequence[dict], lanes: Sequence[str], colors: dict[str, str],
                   min_width: float = 0.004) -> float:
     """Draw `bars` (dicts with "lane", "kind", "start", "end", times in seconds) as a timeline in ms, one row per lane.
@@ -254,25 +265,19 @@ def accumulation_timeline_worker(out_dir: str, gradient_accumulation_steps: int 
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)   # DDP model, sharded loader
     recorder = CommHookRecorder()
     model.register_comm_hook(None, recorder.hook)
-    loss_fn = nn.CrossEntropyLoss()
     micro_steps, grads = [], []
     for i, (x, y) in enumerate(loader):
         recorder.step = i
         with accelerator.accumulate(model):        # no_sync() on all but the last micro-step of a window
-            t0 = time.perf_counter()
-            loss = loss_fn(model(x), y)
-            t1 = time.perf_counter()
-            accelerator.backward(loss)
-            t2 = time.perf_counter()
-            micro_steps.append({"micro_step": i, "forward": (t0, t1), "backward": (t1, t2),
-                                "sync_gradients": accelerator.sync_gradients})
+            times = timed_forward_backward(accelerator, model, nn.CrossEntropyLoss(), x, y)
+            micro_steps.append({"micro_step": i, **times, "sync_gradients": accelerator.sync_gradients})
             grads.append(gradient_snapshot(accelerator.unwrap_model(model)))
             optimizer.step()                         # skipped by accelerate until the window is complete
             optimizer.zero_grad()
     torch.save({"rank": rank, "num_processes": world_size, "micro_steps": micro_steps, "events": recorder.events,
                 "grads": grads, "num_threads": torch.get_num_threads()}, Path(out_dir) / f"rank{rank}.pt")
 
-
+# %% ../notebooks/01_gradient_accumulation.ipynb #3168197c
 def run_accumulation_timeline(gradient_accumulation_steps: int = 4, num_optimizer_steps: int = 2,
                               num_processes: int = 2, batch_size: int = 8, width: int = 32, seed: int = 0) -> dict:
     """Launch `accumulation_timeline_worker` on `num_processes` CPU processes (gloo) and summarise what it recorded (01).

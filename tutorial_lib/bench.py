@@ -19,19 +19,18 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from .core import (HelpFormatter, OneLineParser, count_training_flops, in_notebook, mfu, non_negative_float,
-                               non_negative_int, number_flag, peak_flops_for, peak_memory_bytes, positive_float,
-                               positive_int, seed_everything)
-# The training script (08), 07's loaders, torchvision and accelerate are imported inside the functions that use
-# them: `python -m tutorial_lib.bench --help` then costs little more than importing torch.
+from .cli import (HelpFormatter, OneLineParser, cli_main, non_negative_float, non_negative_int, number_flag,
+                              positive_float, positive_int)
+from .core import count_training_flops, in_notebook, mfu, peak_flops_for, peak_memory_bytes, seed_everything
+# The training script (08, which builds the models), 07's loaders, torchvision and accelerate are imported inside the
+# functions that use them: `python -m tutorial_lib.bench --help` then costs little more than importing torch.
 
 # %% auto #0
 __all__ = ['LOOP_DEFAULTS', 'SYNTHETIC_CONFIGS', 'JPEG_SUFFIXES', 'DEFAULT_JPEG_DIR', 'GPU_DEFAULTS', 'DRY_RUN', 'time_windows',
            'median_throughput', 'make_bare_step', 'alternate', 'overhead_ratio', 'paired_ratios', 'median_interval',
            'FixedBatchDataset', 'make_our_step', 'run_loop_benchmark', 'make_train_step', 'build_synthetic_run',
            'measure_steps', 'RepeatDataset', 'jpeg_files_and_labels', 'linked_image_folder', 'decode_on_side_stream',
-           'jpeg_batches', 'run_gpu_benchmark', 'format_gpu_table', 'torchvision_model', 'device_name',
-           'get_args_parser', 'main']
+           'jpeg_batches', 'run_gpu_benchmark', 'format_gpu_table', 'device_name', 'get_args_parser', 'main']
 
 # %% ../notebooks/10_performance.ipynb #31733dbc
 def time_windows(step: Callable[[], object], windows: int, steps_per_window: int, warmup_steps: int = 0,
@@ -194,12 +193,12 @@ def run_loop_benchmark(arch: str = "resnet18", img_size: int = 64, batch_size: i
     """Our training step vs a bare loop, alternating in one process; returns medians and `overhead_ratio`.
 
     `ours="train"`: one epoch of 08's `train_one_epoch` per round; `ours="bare"`: a second bare loop (A/A test)."""
-    import torchvision
+    from tutorial_lib.train import build_model
 
     if ours not in {"train", "bare"}:
         raise ValueError(f"ours must be 'train' (the training script's step) or 'bare' (A/A test), got {ours!r}")
     seed_everything(seed)
-    model = torchvision.models.get_model(arch, num_classes=num_classes)
+    model = build_model(arch, num_classes)
     images = torch.randn(batch_size, 3, img_size, img_size)
     labels = torch.randint(0, num_classes, (batch_size,))
     hyper = dict(lr=lr, momentum=momentum, weight_decay=weight_decay)
@@ -261,14 +260,14 @@ def build_synthetic_run(arch: str, config: str, device: torch.device | str, batc
                         num_classes: int = 1000, compile_backend: str = "inductor",
                         amp_dtype: torch.dtype | None = torch.bfloat16, seed: int = 0) -> dict:
     """Model, optimizer, training step and a fixed random batch for one row of `SYNTHETIC_CONFIGS`."""
-    import torchvision
+    from tutorial_lib.train import build_model
 
     if config not in SYNTHETIC_CONFIGS:
         raise ValueError(f"unknown config {config!r}; choose from {list(SYNTHETIC_CONFIGS)}")
     opts, device = SYNTHETIC_CONFIGS[config], torch.device(device)
     memory_format = torch.channels_last if opts["channels_last"] else torch.contiguous_format
     seed_everything(seed)
-    model = torchvision.models.get_model(arch, num_classes=num_classes).to(device, memory_format=memory_format)
+    model = build_model(arch, num_classes).to(device, memory_format=memory_format)
     # lr is irrelevant to speed; a small one keeps 100 steps on one random batch finite.
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-5)
     net = torch.compile(model, backend=compile_backend) if opts["compile"] else model
@@ -566,13 +565,12 @@ def _cmd_data(args: argparse.Namespace) -> None:
     print(format_data_benchmark(run_data_benchmark(args.data_dir, workers=args.workers)))  # table, then JSON
 
 
-def torchvision_model(text: str) -> str:
-    """An argparse `type=` for `--model`: a torchvision classification model (torchvision is imported only here)."""
-    import torchvision
+def _model_name(text: str) -> str:
+    """`--model`: the training script's check (08's `model_name`: a torchvision model or tinycnn), imported only when
+    a value is parsed, so that `--help` stays light."""
+    from tutorial_lib.train import model_name
 
-    if text not in torchvision.models.list_models(module=torchvision.models):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a torchvision classification model (e.g. resnet18, resnet50)")
-    return text
+    return model_name(text)
 
 
 def device_name(text: str) -> str:
@@ -586,7 +584,7 @@ def device_name(text: str) -> str:
 
 # flag -> (name in LOOP_DEFAULTS / GPU_DEFAULTS, type, help); names as the training script spells them (08)
 _SIZE_FLAGS = {
-    "model": ("arch", torchvision_model, "torchvision model"),
+    "model": ("arch", _model_name, "torchvision model, or tinycnn"),
     "img_size": ("img_size", positive_int, "image side in pixels"),
     "batch_size": ("batch_size", positive_int, "images per step"),
     "num_classes": ("num_classes", positive_int, "classes of the model's last layer"),
@@ -595,7 +593,7 @@ _SIZE_FLAGS = {
 
 def get_args_parser() -> argparse.ArgumentParser:
     """`python -m tutorial_lib.bench {loop,gpu,data}`: the benchmarks of notebook 10. Flags are spelled as the training
-    script's (`--batch_size`), every default shows in `--help`, and a bad value is one line and exit status 2 (00)."""
+    script's (`--batch_size`), every default shows in `--help`, and a bad value is one line and exit status 2 (00a)."""
     parser = OneLineParser(prog="python -m tutorial_lib.bench", formatter_class=HelpFormatter,
                            description="The benchmarks of notebook 10; every subcommand ends with one JSON line.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{loop,gpu,data}")
@@ -665,9 +663,8 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of `python -m tutorial_lib.bench`."""
-    args = get_args_parser().parse_args(argv)
-    args.func(args)
+    """Entry point of `python -m tutorial_lib.bench`: 00a's `cli_main` (a wrong input is one line, exit status 2)."""
+    cli_main(get_args_parser(), lambda args: args.func(args), argv)
 
 # %% ../notebooks/10_performance.ipynb #636857f7
 if __name__ == "__main__" and not in_notebook():

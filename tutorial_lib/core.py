@@ -3,13 +3,10 @@
 # %% ../notebooks/00_introduction.ipynb #37d96d4c
 from __future__ import annotations
 
-import argparse
 import atexit
-import math
 import os
 import platform
 import random
-import re
 import shutil
 import socket
 import sys
@@ -22,12 +19,11 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['SMOKE_ENV_VAR', 'IMAGENET_TRAIN_IMAGES', 'RECIPE_EPOCHS', 'PEAK_BF16_TFLOPS', 'STATE_PROBE', 'positive_int',
-           'non_negative_int', 'positive_float', 'non_negative_float', 'smoke_mode', 'seed_everything', 'in_notebook',
-           'free_port', 'scratch_dir', 'count_training_flops', 'training_time_seconds', 'peak_flops_for', 'mfu',
-           'peak_memory_bytes', 'StepTimer', 'global_batch_size', 'environment_report', 'bf16_supported', 'main',
-           'accelerate_cli', 'cpu_launch_config', 'read_process_states', 'launch_state_probe', 'number_flag',
-           'OneLineParser', 'HelpFormatter', 'config_path', 'parse_overrides', 'Progress', 'run_notebooks']
+__all__ = ['SMOKE_ENV_VAR', 'IMAGENET_TRAIN_IMAGES', 'RECIPE_EPOCHS', 'PEAK_BF16_TFLOPS', 'STATE_PROBE', 'smoke_mode',
+           'seed_everything', 'in_notebook', 'free_port', 'scratch_dir', 'count_training_flops',
+           'training_time_seconds', 'peak_flops_for', 'mfu', 'peak_memory_bytes', 'StepClock', 'StepTimer',
+           'global_batch_size', 'environment_report', 'bf16_supported', 'accelerate_cli', 'cpu_launch_config',
+           'read_process_states', 'launch_state_probe', 'UserError']
 
 # %% ../notebooks/00_introduction.ipynb #a4f4ab1f
 SMOKE_ENV_VAR = "TUTORIAL_SMOKE"
@@ -57,7 +53,7 @@ def in_notebook() -> bool:
     shell = get_ipython()
     return shell is not None and shell.__class__.__name__ == "ZMQInteractiveShell"
 
-
+# %% ../notebooks/00_introduction.ipynb #76eaa2a1
 def free_port() -> int:
     """A free TCP port on localhost for a launcher's rendezvous.
 
@@ -157,7 +153,7 @@ def mfu(images_per_sec: float, flops_per_image: float, peak_flops: float | None)
         return None
     return images_per_sec * flops_per_image / peak_flops
 
-
+# %% ../notebooks/00_introduction.ipynb #db432ec9
 def peak_memory_bytes(device: torch.device | str = "cpu") -> int:
     """Peak memory of this process on `device`: CUDA max allocated since the last reset, else peak RSS."""
     device = torch.device(device)
@@ -173,28 +169,21 @@ def peak_memory_bytes(device: torch.device | str = "cpu") -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS reports bytes, Linux KiB
 
 # %% ../notebooks/00_introduction.ipynb #267b77f3
-class StepTimer:
-    """Per-epoch accounting of a training loop: time waiting for data vs computing, img/s, peak memory, MFU.
+class StepClock:
+    """Splits a training loop's wall time into waiting for the next batch (`data_time`) and the rest (`compute_time`).
 
-    Use `for batch in timer.iterate(loader): ...; timer.step_done(len(batch))`, or call
-    `data_ready()` yourself when the batch is in hand. Taught in 00; the training script (08) keeps
-    one per epoch and notebook 10 measures with it."""
+    `for batch in clock.iterate(loader): ...; clock.step_done(len(batch))`, or call `data_ready()` when the batch is
+    in hand. `StepTimer` adds the epoch's numbers: images/s, peak memory and MFU."""
 
-    def __init__(self, device: torch.device | str = "cpu", flops_per_image: float | None = None,
-                 peak_flops: float | None = None, sync: bool | None = None):
+    def __init__(self, device: torch.device | str = "cpu", sync: bool | None = None):
         self.device = torch.device(device)
-        self.flops_per_image = flops_per_image
-        self.peak_flops = peak_flops
         # Without a sync, queued GPU work would be billed to whichever later line happens to wait for it.
         self.sync = (self.device.type == "cuda") if sync is None else sync
         self.reset()
 
-    def reset(self, flops_per_image: float | None = None) -> None:
+    def reset(self) -> None:
         """Start a new epoch: zero the counters, reset the CUDA peak-memory mark, start the data clock."""
-        if flops_per_image is not None:  # progressive resizing changes the cost per image
-            self.flops_per_image = flops_per_image
-        self.data_time = self.compute_time = 0.0
-        self.images = self.steps = 0
+        self.data_time, self.compute_time, self.images, self.steps = 0.0, 0.0, 0, 0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._mark = time.perf_counter()
@@ -202,18 +191,15 @@ class StepTimer:
     def data_ready(self) -> None:
         """The batch is in hand: the time since the last step ended was spent waiting for data."""
         now = time.perf_counter()
-        self.data_time += now - self._mark
-        self._mark = now
+        self.data_time, self._mark = self.data_time + now - self._mark, now
 
     def step_done(self, num_images: int) -> None:
-        """The step (forward, backward, optimizer) is done: bill the time since `data_ready` to compute."""
+        """The step (forward, backward, optimizer) is done: the time since `data_ready` was spent computing."""
         if self.sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
-        self.compute_time += now - self._mark
-        self._mark = now
-        self.images += int(num_images)
-        self.steps += 1
+        self.compute_time, self._mark = self.compute_time + now - self._mark, now
+        self.images, self.steps = self.images + int(num_images), self.steps + 1
 
     def iterate(self, loader: Iterable) -> Iterator:
         """Yield the batches of `loader`, calling `data_ready()` as each one arrives."""
@@ -221,6 +207,22 @@ class StepTimer:
         for batch in loader:
             self.data_ready()
             yield batch
+
+# %% ../notebooks/00_introduction.ipynb #7f565a60
+class StepTimer(StepClock):
+    """Per-epoch accounting of a training loop: `StepClock`'s time waiting for data vs computing, and images/s,
+    peak memory and MFU. Taught in 00; the training script (08) keeps one per epoch and notebook 10 measures with it."""
+
+    def __init__(self, device: torch.device | str = "cpu", flops_per_image: float | None = None,
+                 peak_flops: float | None = None, sync: bool | None = None):
+        self.flops_per_image, self.peak_flops = flops_per_image, peak_flops
+        super().__init__(device, sync)
+
+    def reset(self, flops_per_image: float | None = None) -> None:
+        """Start a new epoch, at a new cost per image if given (progressive resizing changes it, 10)."""
+        if flops_per_image is not None:
+            self.flops_per_image = flops_per_image
+        super().reset()
 
     def summary(self) -> dict:
         """The epoch's numbers, ready for `metrics.jsonl`."""
@@ -291,30 +293,6 @@ def bf16_supported() -> bool:
     except RuntimeError:
         return False
 
-
-def main(argv: list[str] | None = None) -> None:
-    """Console script `tutorial-lib`: the environment report (section 5), or `run-notebooks` (section 7)."""
-    from tutorial_lib import __version__
-
-    parser = OneLineParser(prog="tutorial-lib", formatter_class=HelpFormatter,
-                           description="The course's tools: without a command, what this machine offers.")
-    commands = parser.add_subparsers(dest="command")
-    run = commands.add_parser("run-notebooks", formatter_class=HelpFormatter,
-                              help="execute the notebooks in full mode, outputs written in place (then nbdev-clean)")
-    run.add_argument("notebooks", nargs="*", help="notebook files; default: every notebooks/NN_*.ipynb of this folder")
-    run.add_argument("--smoke", action="store_true", help="the small sizes the tests use; the files are left alone")
-    args = parser.parse_args(argv)
-    if args.command == "run-notebooks":
-        paths = args.notebooks or sorted(Path("notebooks").glob("[0-9][0-9]_*.ipynb"))
-        if not paths:
-            parser.error("no notebooks/NN_*.ipynb here: run it from the project folder, or name the notebooks")
-        seconds = run_notebooks(paths, smoke=args.smoke)
-        print(f"{len(seconds)} notebooks, {sum(seconds.values()) / 60:.1f} min in all")
-        return
-    print(f"tutorial_lib {__version__}")
-    for key, value in environment_report().items():
-        print(f"  {key:<15} {value}")
-
 # %% ../notebooks/00_introduction.ipynb #78cdee42
 import json
 import subprocess
@@ -349,7 +327,7 @@ def cpu_launch_config(source: str | Path, target: str | Path, num_processes: int
     Path(target).write_text(yaml.safe_dump(config))
     return config
 
-
+# %% ../notebooks/00_introduction.ipynb #d7961dfa
 STATE_PROBE = '''"""Record what accelerate set up in this process: <folder>/state-<pid>.json (written by tutorial_lib.core)."""
 import json, os, sys
 from pathlib import Path
@@ -377,7 +355,7 @@ def read_process_states(folder: str | Path) -> list[dict]:
         raise FileNotFoundError(f"no state-*.json in {folder}: no process got as far as writing one")
     return sorted(records, key=lambda r: (r["process_index"], r["pid"]))
 
-
+# %% ../notebooks/00_introduction.ipynb #b963145d
 def launch_state_probe(config_file: str | Path, folder: str | Path, flags: list | tuple = (), cpu: bool = True,
                        env: dict | None = None, timeout: float = 300.0) -> list[dict]:
     """`accelerate launch` the state probe with a config file and flags; return what each process saw.
@@ -398,165 +376,8 @@ def launch_state_probe(config_file: str | Path, folder: str | Path, flags: list 
         raise RuntimeError(f"accelerate launch failed with exit code {run.returncode}:\n{run.stderr[-3000:]}")
     return read_process_states(states)
 
-# %% ../notebooks/00_introduction.ipynb #abf5a5d3
-def number_flag(kind: type, low: float | None = None, high: float | None = None, low_open: bool = False,
-                high_open: bool = False, what: str | None = None):
-    """An argparse `type=`: parse `kind` (int or float) and refuse values outside `[low, high]` (or the open
-    ends), and NaN/Inf, with the range in the message (`what` replaces it, e.g. "a positive number")."""
-    def parse(text) -> int | float:
-        try:
-            value = kind(text)
-        except (TypeError, ValueError):
-            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, got {text!r}") from None
-        if kind is int and isinstance(text, float) and not text.is_integer():
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}")
-        if not math.isfinite(value) or (low is not None and (value <= low if low_open else value < low)) \
-                or (high is not None and (value >= high if high_open else value > high)):
-            if what or high is None:
-                bound = what or f"{'>' if low_open else '>='} {low:g}"
-                raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
-            raise argparse.ArgumentTypeError(f"must be in {'(' if low_open else '['}{low:g}, {high:g}"
-                                             f"{')' if high_open else ']'}, got {value}")
-        return value
-    parse.__name__ = kind.__name__  # argparse names the type in some messages
-    return parse
-
-
-positive_int = number_flag(int, 1)
-non_negative_int = number_flag(int, 0)
-positive_float = number_flag(float, 0, low_open=True, what="a positive number")
-non_negative_float = number_flag(float, 0)
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An `ArgumentParser` whose errors are one line, `prog: error: ...`, exit status 2, without the usage
-    block; abbreviated flags are refused (`--lr` must not silently mean `--lr_scheduler`). With `error_type`,
-    an error raises that exception instead (for flags parsed inside a program)."""
-
-    def __init__(self, *args, error_type: type[Exception] | None = None, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-        self.error_type = error_type
-
-    def error(self, message: str):
-        message = re.sub(r"^argument (\S+?)(/\S+)?: ", r"\1 ", message)  # "argument --epochs: must..." -> "--epochs must..."
-        if self.error_type is not None:
-            raise self.error_type(message)
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """`--help` with every flag's default, once, and descriptions and epilogs printed as written. A flag whose
-    default is computed says so in its help, `(default: --img_size)`, and argparse's `(default: None)` is left out."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.help and "(default:" in action.help:
-            return action.help
-        return super()._get_help_string(action)
-
-
-def config_path(name: str) -> Path:
-    """Path of an accelerate config or SLURM script shipped in `tutorial_lib/configs/` (launch commands in 08, 12)."""
-    from importlib.resources import files
-
-    folder = Path(str(files("tutorial_lib") / "configs"))
-    path = folder / name
-    if not path.is_file():
-        shipped = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
-        raise FileNotFoundError(f"no shipped config {name!r}; choose one of {shipped}")
-    return path
-
-# %% ../notebooks/00_introduction.ipynb #80c37d6f
-def parse_overrides(parser: argparse.ArgumentParser, **overrides) -> argparse.Namespace:
-    """`parser`'s defaults with `overrides` applied, each value checked by its flag's `type=` as if typed: True
-    is the bare flag, a list gives several values, None and False are set as given. Unknown names are refused."""
-    unknown = sorted(set(overrides) - {action.dest for action in parser._actions})
-    if unknown:
-        raise ValueError(f"unknown options {unknown}; see `{parser.prog} --help`")
-    argv = []
-    for key, value in overrides.items():  # {"cpu": True, "lr_milestones": [30, 60]} -> --cpu --lr_milestones 30 60
-        if value is not None and value is not False:
-            argv += [f"--{key}"] if value is True else [f"--{key}", *map(str, value if isinstance(value, (list, tuple)) else [value])]
-    args = parser.parse_args(argv)
-    for key, value in overrides.items():  # None and False were not passed as flags: set them as given
-        if value is None or value is False:
-            setattr(args, key, value)
-    return args
-
-# %% ../notebooks/00_introduction.ipynb #64f59bb8
-class Progress:
-    """Progress of a loop: tqdm's bar on a terminal; in a log (output not a terminal) one plain line every
-    `interval` seconds, since a bar there becomes one endless line of carriage returns (a batch job's log).
-
-    `update(n)`, `set_postfix(**values)` (shown on the bar, or at the end of the next line) and `close()`,
-    as tqdm. Taught in 00; the training script (08) shows one per epoch."""
-
-    def __init__(self, total: int, desc: str = "", initial: int = 0, unit: str = "it", interval: float = 30.0,
-                 file=None, disable: bool = False):
-        self.total, self.desc, self.done, self.unit, self.interval = total, desc, initial, unit, interval
-        self.file, self.disable, self.postfix = file or sys.stderr, disable, {}
-        self.start = self.last = time.monotonic()
-        self.started_at = initial
-        self.bar = None
-        if not disable and self.file.isatty():
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, leave=False, file=self.file)
-
-    def update(self, n: int = 1) -> None:
-        self.done += n
-        if self.bar is not None:
-            self.bar.update(n)
-        elif not self.disable and time.monotonic() - self.last >= self.interval:
-            self.last = time.monotonic()
-            print(self.line(), file=self.file, flush=True)
-
-    def set_postfix(self, **values) -> None:
-        self.postfix = values
-        if self.bar is not None:
-            self.bar.set_postfix(**values)
-
-    def line(self) -> str:
-        """The plain line of a log: where the loop is, how fast it goes, and the postfix."""
-        rate = (self.done - self.started_at) / max(time.monotonic() - self.start, 1e-9)
-        extra = "".join(f", {k} {v}" for k, v in self.postfix.items())
-        return f"{self.desc}: {self.done}/{self.total} {self.unit} ({100 * self.done / max(self.total, 1):.0f} %), " \
-               f"{rate:.2f} {self.unit}/s{extra}"
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-# %% ../notebooks/00_introduction.ipynb #afab46de
-def run_notebooks(paths: Iterable[str | os.PathLike], smoke: bool = False, timeout: float = 3600,
-                  clean: bool = True) -> dict[str, float]:
-    """Execute notebooks top to bottom in a fresh kernel each and return the seconds each took.
-
-    Full mode (`smoke=False`) writes the outputs into the files, then runs `nbdev-clean` (with `clean`) in
-    the project folder: how the committed outputs are made. Smoke mode only checks that they run and leaves the files alone. A failing cell
-    raises `nbclient`'s error naming the notebook and the cell."""
-    import nbclient
-    import nbformat
-
-    seconds = {}
-    env = {**os.environ, SMOKE_ENV_VAR: "1" if smoke else "0"}
-    old_env = os.environ.copy()
-    os.environ.update(env)  # the kernel inherits this process's environment
-    try:
-        for path in map(Path, paths):
-            nb = nbformat.read(path, as_version=4)
-            start = time.perf_counter()
-            nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                                    resources={"metadata": {"path": str(path.parent)}}).execute()
-            seconds[path.name] = time.perf_counter() - start
-            print(f"{path.name}: {seconds[path.name]:.0f} s ({'smoke' if smoke else 'full'} mode)", flush=True)
-            if not smoke:
-                nbformat.write(nb, path)
-    finally:
-        os.environ.clear()
-        os.environ.update(old_env)
-    if clean and not smoke and seconds:
-        import subprocess
-
-        subprocess.run([str(Path(sys.executable).with_name("nbdev-clean"))], cwd=Path(path).parent.parent, check=True)
-    return seconds
+# %% ../notebooks/00_introduction.ipynb #f75e9184
+class UserError(Exception):
+    """An input the user fixes (a flag, a path, the data, a checkpoint): a command line of the course prints it as
+    one line, `prog: error: <message>`, and exits with status 2 instead of a traceback (00, 00a). Every error of
+    this kind in the library derives from it; a bug does not, and keeps its traceback."""

@@ -29,8 +29,10 @@ from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .core import (HelpFormatter, OneLineParser, in_notebook, non_negative_int, positive_float,
-                               positive_int)
+from .accel import MissingPathError
+from .cli import (HelpFormatter, OneLineParser, Progress, cli_main, format_size, non_negative_int,
+                              positive_float, positive_int)
+from .core import UserError, in_notebook
 
 # %% auto #0
 __all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'IMG_EXTENSIONS', 'VAL_DIR_NAMES', 'SPLIT_ALIASES', 'OFFICIAL_ARCHIVES',
@@ -46,7 +48,7 @@ __all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'IMG_EXTENSIONS', 'VAL_DIR_NAMES', '
            'print_data_benchmark', 'EncodedTransform', 'collate_encoded', 'decode_jpegs_on_cuda',
            'decode_batch_on_device', 'gather_skips', 'hub_features', 'plan_shards', 'write_shards', 'RecordDataset',
            'load_record_datasets', 'benchmark_records', 'Devkit', 'read_devkit', 'verify_unpacked', 'from_archives',
-           'get_args_parser', 'main']
+           'get_args_parser', 'run_command', 'main']
 
 # %% ../notebooks/07_data_pipeline.ipynb #16adf964
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -55,7 +57,7 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 VAL_DIR_NAMES = ("val", "validation")
 
 
-class DataLayoutError(ValueError):
+class DataLayoutError(UserError, ValueError):
     """The folders do not have the `train/<class>/*.JPEG`, `val/<class>/*.JPEG` layout."""
 
 
@@ -83,18 +85,18 @@ def find_split_dirs(root: str | os.PathLike) -> tuple[Path, Path]:
     Taught in 07 §1; the training script calls it on `--path_to_data`."""
     root = Path(root).expanduser()
     if not root.exists():
-        raise FileNotFoundError(f"data folder {root} does not exist: pass the folder that holds train/ and val/ "
-                                "(for example --path_to_data /data/imagenet)")
+        raise MissingPathError(f"data folder {root} does not exist: pass the folder that holds train/ and val/ "
+                               "(for example --path_to_data /data/imagenet)")
     if not root.is_dir():
         raise NotADirectoryError(f"{root} is a file: pass the folder that holds train/ and val/")
     expected = f"expected {root}/train/<class>/*.JPEG and {root}/val/<class>/*.JPEG"
     train = root / "train"
     if not train.is_dir():
-        raise FileNotFoundError(f"no train/ folder in {root} (it holds: {_listing(root)}); {expected}")
+        raise MissingPathError(f"no train/ folder in {root} (it holds: {_listing(root)}); {expected}")
     for name in VAL_DIR_NAMES:
         if (root / name).is_dir():
             return train, root / name
-    raise FileNotFoundError(f"no val/ or validation/ folder in {root} (it holds: {_listing(root)}); {expected}")
+    raise MissingPathError(f"no val/ or validation/ folder in {root} (it holds: {_listing(root)}); {expected}")
 
 
 def _is_image(name: str) -> bool:
@@ -178,7 +180,7 @@ def scan_image_folder(folder: str | os.PathLike, report: ScanReport | None = Non
     folder = Path(folder)
     report = report if report is not None else ScanReport(str(folder))
     if not folder.is_dir():
-        raise FileNotFoundError(f"image folder {folder} does not exist: check the path")
+        raise MissingPathError(f"image folder {folder} does not exist: check the path")
     entries = sorted(os.scandir(folder), key=lambda e: e.name)
     class_dirs = [e.name for e in entries if e.is_dir() and not e.name.startswith(".")]
     loose = [e.name for e in entries if e.is_file() and _is_image(e.name)]
@@ -267,9 +269,9 @@ def resolve_data_source(path_to_data: str | os.PathLike | DataSource) -> DataSou
         if _HUB_ID.match(text):
             require_datasets(f"{text} (not a local folder, so a Hugging Face Hub id)")
             return DataSource("hub", text)
-        raise FileNotFoundError(f"data folder {root} does not exist: pass the folder that holds train/ and val/ or "
-                                "parquet shards (for example --path_to_data /data/imagenet), or a Hugging Face Hub id "
-                                "such as ILSVRC/imagenet-1k")
+        raise MissingPathError(f"data folder {root} does not exist: pass the folder that holds train/ and val/ or "
+                               "parquet shards (for example --path_to_data /data/imagenet), or a Hugging Face Hub id "
+                               "such as ILSVRC/imagenet-1k")
     if root.is_file():
         hint = (f"unpack the official archives first: python -m tutorial_lib.data from-archives {root.parent} OUT_DIR"
                 if root.name in OFFICIAL_ARCHIVES else "pass the folder that holds the shards"
@@ -390,7 +392,7 @@ def read_val_mapping(path: str | os.PathLike) -> dict[str, str]:
             return _devkit_mapping(path)  # the unpacked devkit
         raise IsADirectoryError(f"{path} is a folder, not a mapping file: pass {_MAPPING_FORMS}")
     if not path.is_file():
-        raise FileNotFoundError(f"mapping file {path} does not exist: pass {_MAPPING_FORMS}")
+        raise MissingPathError(f"mapping file {path} does not exist: pass {_MAPPING_FORMS}")
     if _is_tar(path):
         return _devkit_mapping(path)
     lines = _mapping_text(path).splitlines()
@@ -473,7 +475,7 @@ def prepare_val(val_dir: str | os.PathLike, mapping: str | os.PathLike | dict[st
         raise NotADirectoryError(f"{val_dir} is a file, not the validation folder: the arguments are VAL_DIR MAPPING, "
                                  "in that order")
     if not val_dir.is_dir():
-        raise FileNotFoundError(f"validation folder {val_dir} does not exist: pass the folder of ILSVRC2012_val_*.JPEG files")
+        raise MissingPathError(f"validation folder {val_dir} does not exist: pass the folder of ILSVRC2012_val_*.JPEG files")
     labels = mapping if isinstance(mapping, dict) else read_val_mapping(mapping)
     out = Path(out_dir).expanduser() if out_dir is not None else val_dir
     unusable = sorted({label for label in labels.values() if _class_name_problem(label)})
@@ -596,7 +598,7 @@ def pipeline_stage_times(files: Sequence[str | os.PathLike], img_size: int = 224
     return times
 
 # %% ../notebooks/07_data_pipeline.ipynb #f507b9cc
-class UnreadableImageError(OSError):
+class UnreadableImageError(UserError, OSError):
     """An image file that cannot be read or decoded (missing, truncated, corrupt, not an image, a decompression bomb)."""
 
 
@@ -1219,7 +1221,7 @@ def list_images(folder: str | os.PathLike) -> list[str]:
     """Every image file under `folder` (any depth), sorted; a clear error when there is none."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise FileNotFoundError(f"image folder {folder} does not exist: check the path")
+        raise MissingPathError(f"image folder {folder} does not exist: check the path")
     files = _walk_images(str(folder), {os.path.realpath(folder)}, ScanReport(str(folder)))  # each folder once
     if not files:
         raise DataLayoutError(f"no images ({'/'.join(IMG_EXTENSIONS)}) under {folder}: point at a folder of images")
@@ -1455,43 +1457,6 @@ def gather_skips(accelerator, loaders: Sequence) -> tuple[list[int], list[str]]:
 SHARD_MB = 384  # default shard size: a few hundred files for ImageNet's ~150 GB
 
 
-def _size(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
-
-
-class _Progress:
-    """Progress of a long job, in bytes: a tqdm bar on a terminal, one line every `interval` seconds in a log."""
-
-    def __init__(self, total: int, desc: str, interval: float = 30.0, file=None):
-        self.total, self.desc, self.interval, self.done = total, desc, interval, 0
-        self.file = file or sys.stderr
-        self.start = self.last = time.monotonic()
-        self.bar = None
-        if self.file.isatty() and total > 0:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=self.file)
-
-    def update(self, nbytes: int) -> None:
-        self.done += nbytes
-        if self.bar is not None:
-            self.bar.update(nbytes)
-        elif time.monotonic() - self.last >= self.interval:
-            self.last = time.monotonic()
-            rate = self.done / max(self.last - self.start, 1e-9)
-            left = f"{(self.total - self.done) / rate / 60:.0f} min left" if rate > 0 else "starting"
-            print(f"{self.desc}: {_size(self.done)} of {_size(self.total)} ({100 * self.done / max(self.total, 1):.0f} %), "
-                  f"{rate / 1e6:.1f} MB/s, {left}", file=self.file, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        elif self.total > 0:
-            seconds = time.monotonic() - self.start
-            print(f"{self.desc}: done, {_size(self.done)} in {seconds:.0f} s ({self.done / max(seconds, 1e-9) / 1e6:.1f} MB/s)",
-                  file=self.file, flush=True)
-
-
 def _check_free_space(folder: Path, needed: int, what: str) -> None:
     """Refuse to start a job that cannot fit in the free space of `folder`'s file system."""
     probe = folder
@@ -1499,7 +1464,7 @@ def _check_free_space(folder: Path, needed: int, what: str) -> None:
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     if needed > free:
-        raise DataSourceError(f"{what} needs {_size(needed)} in {folder} but its disk has {_size(free)} free: "
+        raise DataSourceError(f"{what} needs {format_size(needed)} in {folder} but its disk has {format_size(free)} free: "
                               "free some space or choose another output folder")
 
 
@@ -1581,12 +1546,12 @@ def write_shards(root: str | os.PathLike, out_dir: str | os.PathLike, shard_mb: 
     todo = [plan for plan in plans if not _complete_shard(out / plan[-1], plan[4][1] - plan[4][0], schema)]
     needed = sum(sum(sizes[a:b]) for _, _, _, sizes, (a, b), _ in todo)
     log(f"{root}: {len(train)} train + {len(val)} val images, {len(classes)} classes → {len(plans)} shards of about "
-        f"{shard_mb:g} MB in {out}; {len(plans) - len(todo)} already complete, {_size(needed)} to write")
+        f"{shard_mb:g} MB in {out}; {len(plans) - len(todo)} already complete, {format_size(needed)} to write")
     _check_free_space(out, needed, "writing the shards")
     out.mkdir(parents=True, exist_ok=True)
     for leftover in out.glob(".tmp-*"):  # a shard an interrupted run was writing
         leftover.unlink()
-    progress = _Progress(needed, "shard", progress_interval)
+    progress = Progress(needed, "shard", unit="B", interval=progress_interval, summary=True)
     for split, split_dir, samples, sizes, (start, stop), name in todo:
         tmp = out / f".tmp-{name}"
         with pq.ParquetWriter(tmp, schema, compression="none", use_dictionary=False) as writer:
@@ -2053,13 +2018,13 @@ def from_archives(archive_dir: str | os.PathLike, out_dir: str | os.PathLike, lo
 
     archive_dir, out = Path(archive_dir).expanduser(), Path(out_dir).expanduser()
     if not archive_dir.is_dir():
-        raise FileNotFoundError(f"archive folder {archive_dir} does not exist: pass the folder that holds "
-                                f"{', '.join(OFFICIAL_ARCHIVES)}")
+        raise MissingPathError(f"archive folder {archive_dir} does not exist: pass the folder that holds "
+                               f"{', '.join(OFFICIAL_ARCHIVES)}")
     paths = dict(zip(("train", "val", "devkit"), (archive_dir / name for name in OFFICIAL_ARCHIVES)))
     missing = [p.name for p in paths.values() if not p.is_file()]
     if missing:
-        raise FileNotFoundError(f"{archive_dir} has no {', '.join(missing)} (it holds: {_listing(archive_dir)}): "
-                                "download the ILSVRC2012 archives from image-net.org into it")
+        raise MissingPathError(f"{archive_dir} has no {', '.join(missing)} (it holds: {_listing(archive_dir)}): "
+                               "download the ILSVRC2012 archives from image-net.org into it")
     devkit = read_devkit(paths["devkit"])
     try:
         return _unpack_archives(paths, devkit, out, log, progress_interval)
@@ -2101,10 +2066,10 @@ def _unpack_archives(paths: dict[str, Path], devkit: Devkit, out: Path, log: Cal
         needed = to_read + 4096 * files_left  # the images, plus up to one file-system block per file
         log(f"{paths['train'].parent}: {len(classes)} classes, {sum(devkit.train_counts.values()):,} train + "
             f"{len(val_members):,} val images; already in {out}: {len(done)} classes"
-            f"{' and val' if val_dir.is_dir() else ''}; needs {_size(needed)} of disk")
+            f"{' and val' if val_dir.is_dir() else ''}; needs {format_size(needed)} of disk")
         _check_free_space(out, needed, "unpacking the archives")
         # 2. train: each class into .tmp-<wnid>, renamed when complete
-        progress = _Progress(to_read, "from-archives", progress_interval)
+        progress = Progress(to_read, "from-archives", unit="B", interval=progress_interval, summary=True)
         train_dir.mkdir(parents=True, exist_ok=True)
         for leftover in train_dir.glob(".tmp-*"):  # a class an interrupted run was unpacking: redone
             _remove_leftover(leftover)
@@ -2137,7 +2102,7 @@ def _unpack_archives(paths: dict[str, Path], devkit: Devkit, out: Path, log: Cal
 
 # %% ../notebooks/07_data_pipeline.ipynb #cd8e8b10
 def get_args_parser() -> argparse.ArgumentParser:
-    """`python -m tutorial_lib.data {prepare-val,bench,shard,from-archives}`: 00's conventions (flags with
+    """`python -m tutorial_lib.data {prepare-val,bench,shard,from-archives}`: 00a's conventions (flags with
     underscores, every default in `--help`, values checked where declared, one-line errors)."""
     parser = OneLineParser(prog="python -m tutorial_lib.data", description="07's data tools", formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -2171,9 +2136,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of `python -m tutorial_lib.data`; returns the exit status."""
-    args = get_args_parser().parse_args(argv)
+def run_command(args: argparse.Namespace) -> int | None:
+    """What `python -m tutorial_lib.data` does with its flags. The files it is given are the user's: a missing or
+    unreadable one, a malformed mapping or a full disk is a `UserError` (one line, exit status 2)."""
     for key in ("val_dir", "mapping", "out", "src", "archive_dir", "data_dir"):  # "~/imagenet", quoted: as the shell would
         if getattr(args, key, None):
             setattr(args, key, os.path.expanduser(getattr(args, key)))
@@ -2194,11 +2159,16 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted" + ("" if args.command == "bench" else ": run the same command again to continue where it "
                                "stopped"), file=sys.stderr)
         return 130
-    except (OSError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    except UserError:
+        raise
+    except (OSError, ValueError) as err:  # the files named on the command line: missing, unreadable, malformed, a full disk
+        raise UserError(str(err)) from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `python -m tutorial_lib.data`: 00a's `cli_main` (one line and exit status 2 for a wrong input)."""
+    cli_main(get_args_parser(), run_command, argv)
 
 # %% ../notebooks/07_data_pipeline.ipynb #e40e7b69
 if __name__ == "__main__" and not in_notebook():
-    sys.exit(main())
+    main()

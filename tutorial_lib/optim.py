@@ -33,7 +33,7 @@ def parameter_kinds(model: nn.Module) -> dict[str, str]:
                 kinds[full_name] = "weight"
     return kinds
 
-
+# %% ../notebooks/04_weight_decay.ipynb #7d597110
 def param_groups(model: nn.Module, weight_decay: float, norm_weight_decay: float | None = None,
                  bias_weight_decay: float | None = None) -> list[dict]:
     """Optimizer parameter groups with their own weight decay, grouped by module type.
@@ -93,7 +93,7 @@ class ModelEMA(AveragedModel):
                     a.copy_(c)  # integer counters (BatchNorm's num_batches_tracked) are the model's
         self.n_averaged += 1
 
-
+# %% ../notebooks/04_weight_decay.ipynb #66f922c2
 def make_ema(model: nn.Module, decay: float = 0.9999) -> ModelEMA:
     """An exponential moving average of `model` (weights AND BatchNorm buffers), on the model's device.
 

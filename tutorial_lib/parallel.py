@@ -14,15 +14,16 @@ from torch import nn
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .accumulation import CommHookRecorder, gradient_snapshot, make_toy_cnn, max_abs_difference, toy_batch
+from .accumulation import (CommHookRecorder, gradient_snapshot, make_toy_cnn, max_abs_difference,
+                                      timed_forward_backward, toy_batch)
 
 # %% auto #0
 __all__ = ['ZERO_STAGES', 'ddp_gradient_worker', 'summation_tolerance', 'longest_gradient_sum', 'run_ddp_gradient_check',
            'ddp_timeline_worker', 'run_ddp_timeline', 'ring_allreduce', 'ring_allreduce_bytes', 'naive_allreduce_bytes',
            'ring_allreduce_seconds', 'resnet_stages', 'pipeline_devices', 'PipelineModel', 'pipeline_schedule',
            'idle_fraction', 'bubble_fraction', 'ColumnParallelLinear', 'RowParallelLinear', 'sharded_state_bytes',
-           'sharded_traffic_bytes', 'CollectiveCounter', 'collective_counts', 'collective_bytes', 'fsdp_step_worker',
-           'run_fsdp_step_comparison']
+           'sharded_traffic_bytes', 'CollectiveCounter', 'collective_counts', 'collective_bytes', 'fully_shard_blocks',
+           'counted_step', 'fsdp_vs_ddp', 'fsdp_step_worker', 'run_fsdp_step_comparison']
 
 # %% ../notebooks/02_parallelism.ipynb #0f0990ff
 def ddp_gradient_worker(out_dir: str, global_batch: int = 16, seed: int = 0) -> None:
@@ -52,7 +53,7 @@ def ddp_gradient_worker(out_dir: str, global_batch: int = 16, seed: int = 0) -> 
                 "weights": accelerator.unwrap_model(model).state_dict(), "num_threads": torch.get_num_threads()},
                Path(out_dir) / f"rank{rank}.pt")
 
-
+# %% ../notebooks/02_parallelism.ipynb #6c899859
 def summation_tolerance(num_terms: int, dtype: torch.dtype = torch.float32) -> float:
     """Relative tolerance for two sums of `num_terms` terms added in different orders: n · u (02).
 
@@ -82,7 +83,7 @@ def longest_gradient_sum(model: nn.Module, inputs: torch.Tensor) -> int:
             h.remove()
     return max(sizes)
 
-
+# %% ../notebooks/02_parallelism.ipynb #346be37e
 def run_ddp_gradient_check(num_processes: int = 2, global_batch: int = 16, seed: int = 0) -> dict:
     """Launch `ddp_gradient_worker` on `num_processes` CPU processes (gloo) and compare with one process.
 
@@ -136,7 +137,6 @@ def ddp_timeline_worker(out_dir: str, bucket_caps_mb: Sequence[float] = (25.0,),
 
     torch.manual_seed(seed)
     initial = torchvision.models.get_model(arch, num_classes=10)
-    loss_fn = nn.CrossEntropyLoss()
     runs = {}
     for cap in bucket_caps_mb:
         accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=cap)])
@@ -152,19 +152,15 @@ def ddp_timeline_worker(out_dir: str, bucket_caps_mb: Sequence[float] = (25.0,),
         for step in range(steps):
             recorder.step = step
             ready.clear()
-            t0 = time.perf_counter()
-            loss = loss_fn(model(inputs), targets)
-            t1 = time.perf_counter()
-            loss.backward()                                      # returns once every bucket is all-reduced
-            t2 = time.perf_counter()
-            recorded.append({"step": step, "forward": (t0, t1), "backward": (t1, t2),
-                             "first_gradient": min(ready), "last_gradient": max(ready)})
+            # the backward returns once every bucket is all-reduced
+            times = timed_forward_backward(accelerator, model, nn.CrossEntropyLoss(), inputs, targets)
+            recorded.append({"step": step, **times, "first_gradient": min(ready), "last_gradient": max(ready)})
             model.zero_grad(set_to_none=True)
         runs[cap] = {"rank": rank, "steps": recorded, "events": recorder.events,
                      "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
     torch.save(runs, Path(out_dir) / f"rank{rank}.pt")
 
-
+# %% ../notebooks/02_parallelism.ipynb #eb9c87e3
 def run_ddp_timeline(bucket_caps_mb: Sequence[float] = (25.0, 5.0), steps: int = 2, num_processes: int = 2,
                      batch_size: int = 4, img_size: int = 32, arch: str = "resnet50", seed: int = 0) -> dict:
     """Launch `ddp_timeline_worker` on `num_processes` CPU processes (gloo); return, per bucket size, what each recorded (02).
@@ -210,7 +206,7 @@ def ring_allreduce(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor],
                 sent[i] += data.numel() * data.element_size()
     return [torch.cat(c).view_as(t) for c, t in zip(chunks, tensors)], sent
 
-
+# %% ../notebooks/02_parallelism.ipynb #ff4a8aa8
 def ring_allreduce_bytes(num_bytes: float, world_size: int) -> float:
     """Bytes each worker sends in a ring all-reduce of `num_bytes`: 2 (N - 1) / N × S (02)."""
     if world_size < 1:
@@ -352,7 +348,7 @@ class ColumnParallelLinear(nn.Module):
         outputs = [shard(x) for shard in self.shards]            # every shard sees the whole input
         return torch.cat(outputs, dim=-1) if self.gather_output else outputs   # all-gather
 
-
+# %% ../notebooks/02_parallelism.ipynb #af7476aa
 class RowParallelLinear(nn.Module):
     """A `Linear` split by input features into `num_shards` shards whose partial sums are added (02)."""
 
@@ -443,7 +439,7 @@ class CollectiveCounter(TorchDispatchMode):
                                "bytes": max((t.numel() * t.element_size() for t in tensors), default=0)})
         return func(*args, **(kwargs or {}))
 
-
+# %% ../notebooks/02_parallelism.ipynb #f366b287
 def collective_counts(calls: list[dict]) -> dict[tuple[str, str], int]:
     """Number of collectives per (phase, kind) in `CollectiveCounter.calls` (02)."""
     out: dict[tuple[str, str], int] = {}
@@ -459,66 +455,79 @@ def collective_bytes(calls: list[dict]) -> dict[str, int]:
         out[c["kind"]] = out.get(c["kind"], 0) + c["bytes"]
     return out
 
-
-def fsdp_step_worker(out_dir: str, global_batch: int = 8, img_size: int = 32, lr: float = 0.1, seed: int = 0,
-                     arch: str = "resnet50", wrap: str = "Bottleneck") -> None:
-    """Run by each process under `debug_launcher`: one SGD step of the same model with DDP and with FSDP2 (02).
-
-    FSDP: `fully_shard` on every module whose class is named `wrap`, then on the whole model.
-    Saves to `out_dir/rank{i}.pt` the local shapes of the sharded parameters and momentum buffers,
-    the collectives counted per phase, and for every parameter the largest difference between the
-    two updated values with its tolerance."""
-    import torchvision
-    from accelerate import Accelerator
+# %% ../notebooks/02_parallelism.ipynb #5512ce5f
+def fully_shard_blocks(model: nn.Module, wrap: str) -> int:
+    """FSDP2: `fully_shard` on every module whose class is named `wrap`, then on the whole model; returns the
+    number of FSDP units (02)."""
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError:                                          # torch < 2.6 keeps FSDP2 here
         from torch.distributed._composable.fsdp import fully_shard
 
-    accelerator = Accelerator(cpu=True)
-    rank, world_size = accelerator.process_index, accelerator.num_processes
-    inputs, targets = toy_batch(global_batch, img_size=img_size, seed=seed)
-    per_process = global_batch // world_size
-    x, y = inputs[rank * per_process:(rank + 1) * per_process], targets[rank * per_process:(rank + 1) * per_process]
-    loss_fn = nn.CrossEntropyLoss()
-
-    torch.manual_seed(seed)
-    initial = torchvision.models.get_model(arch, num_classes=10)     # both runs start from copies of it
-
-    def one_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> CollectiveCounter:
-        with CollectiveCounter() as counter:
-            counter.phase = "forward"
-            loss = loss_fn(model(x), y)
-            counter.phase = "backward"
-            loss.backward()
-            counter.phase = "optimizer step"
-            optimizer.step()
-        return counter
-
-    ddp_model = accelerator.prepare(copy.deepcopy(initial))
-    ddp_optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr, momentum=0.9)
-    ddp_comm = one_step(ddp_model, ddp_optimizer)
-    ddp_named = dict(accelerator.unwrap_model(ddp_model).named_parameters())
-
-    model = copy.deepcopy(initial)
     units = [m for m in model.modules() if type(m).__name__ == wrap]
     for unit in units:
         fully_shard(unit)                        # one FSDP unit per block: gathered and freed on its own
     fully_shard(model)                           # the rest (stem, classifier) in the root unit
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)   # on the shards: sharded state
-    fsdp_comm = one_step(model, optimizer)
-    # compare here, on each process, rather than saving two copies of every parameter: the gradient
-    # sums of n terms may be reordered (n·u, section 1), the SGD step scales that by lr, and storing the
-    # new weight rounds once more (u × its size)
-    num_terms, u = longest_gradient_sum(initial, x), torch.finfo(torch.float32).eps / 2
+    return len(units) + 1
+
+
+def counted_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, x: torch.Tensor,
+                 y: torch.Tensor) -> CollectiveCounter:
+    """One training step with its collectives counted per phase: forward, backward, optimizer step (02)."""
+    with CollectiveCounter() as counter:
+        counter.phase = "forward"
+        loss = loss_fn(model(x), y)
+        counter.phase = "backward"
+        loss.backward()
+        counter.phase = "optimizer step"
+        optimizer.step()
+    return counter
+
+# %% ../notebooks/02_parallelism.ipynb #106b450c
+def fsdp_vs_ddp(model: nn.Module, ddp_named: dict, num_terms: int, lr: float) -> tuple[dict, dict]:
+    """For every parameter of the FSDP `model`, the largest difference between its updated value and DDP's, and its
+    tolerance (02): the gradient sums of n terms may be reordered (n·u, section 1), the SGD step scales that by lr,
+    and storing the new weight rounds once more (u × its size)."""
+    u = torch.finfo(torch.float32).eps / 2
     diff, tolerance = {}, {}
     for name, p in model.named_parameters():
         full, ddp_p = p.full_tensor().detach(), ddp_named[name].detach()      # full_tensor: an all-gather
         diff[name] = (full - ddp_p).abs().max().item()
         tolerance[name] = (lr * summation_tolerance(num_terms) * ddp_named[name].grad.abs().max().item()
                            + u * ddp_p.abs().max().item())
+    return diff, tolerance
+
+# %% ../notebooks/02_parallelism.ipynb #eb07cd6c
+def fsdp_step_worker(out_dir: str, global_batch: int = 8, img_size: int = 32, lr: float = 0.1, seed: int = 0,
+                     arch: str = "resnet50", wrap: str = "Bottleneck") -> None:
+    """Run by each process under `debug_launcher`: one SGD step of the same model with DDP and with FSDP2 (02).
+
+    FSDP: `fully_shard_blocks(model, wrap)`. Saves to `out_dir/rank{i}.pt` the local shapes of the sharded
+    parameters and momentum buffers, the collectives counted per phase, and for every parameter the largest
+    difference between the two updated values with its tolerance (`fsdp_vs_ddp`)."""
+    import torchvision
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    inputs, targets = toy_batch(global_batch, img_size=img_size, seed=seed)
+    per_process = global_batch // world_size
+    x, y = inputs[rank * per_process:(rank + 1) * per_process], targets[rank * per_process:(rank + 1) * per_process]
+    torch.manual_seed(seed)
+    initial = torchvision.models.get_model(arch, num_classes=10)     # both runs start from copies of it
+
+    ddp_model = accelerator.prepare(copy.deepcopy(initial))
+    ddp_optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr, momentum=0.9)
+    ddp_comm = counted_step(ddp_model, ddp_optimizer, nn.CrossEntropyLoss(), x, y)
+    ddp_named = dict(accelerator.unwrap_model(ddp_model).named_parameters())
+    model = copy.deepcopy(initial)
+    num_units = fully_shard_blocks(model, wrap)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)   # on the shards: sharded state
+    fsdp_comm = counted_step(model, optimizer, nn.CrossEntropyLoss(), x, y)
+    num_terms = longest_gradient_sum(initial, x)  # compared here, rather than saving two copies of every parameter
+    diff, tolerance = fsdp_vs_ddp(model, ddp_named, num_terms, lr)
     torch.save({
-        "rank": rank, "num_processes": world_size, "num_units": len(units) + 1, "num_threads": torch.get_num_threads(),
+        "rank": rank, "num_processes": world_size, "num_units": num_units, "num_threads": torch.get_num_threads(),
         "shapes": {n: (tuple(p.shape), tuple(p.to_local().shape)) for n, p in model.named_parameters()},
         "momentum_shapes": {n: tuple(optimizer.state[p]["momentum_buffer"].to_local().shape)
                             for n, p in model.named_parameters()},
@@ -526,7 +535,7 @@ def fsdp_step_worker(out_dir: str, global_batch: int = 8, img_size: int = 32, lr
         "num_terms": num_terms, "param_bytes": sum(p.numel() * p.element_size() for p in ddp_named.values()),
     }, Path(out_dir) / f"rank{rank}.pt")
 
-
+# %% ../notebooks/02_parallelism.ipynb #b3b2823e
 def run_fsdp_step_comparison(num_processes: int = 2, global_batch: int = 8, img_size: int = 32, lr: float = 0.1,
                              seed: int = 0, arch: str = "resnet50", wrap: str = "Bottleneck") -> dict:
     """Launch `fsdp_step_worker` on `num_processes` CPU processes (gloo) and compare FSDP with DDP (02).

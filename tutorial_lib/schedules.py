@@ -42,7 +42,7 @@ def lr_factor(step: int, name: str, total_steps: int, warmup_steps: int = 0, war
         decay = m + (1 - m) * (0.5 * (1 + math.cos(math.pi * p)) if name == "cosine" else 1 - p)
     return warmup * decay
 
-
+# %% ../notebooks/05_lr_schedules.ipynb #7753650f
 def _check_schedule_args(name, total_steps, warmup_steps, warmup_start_factor, step_size, gamma, milestones):
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
@@ -61,7 +61,7 @@ def _check_schedule_args(name, total_steps, warmup_steps, warmup_start_factor, s
     if name == "onecycle" and not 1 <= warmup_steps <= total_steps // 2:
         raise ValueError(f"name='onecycle' needs 1 <= warmup_steps <= total_steps // 2, got {warmup_steps}")
 
-
+# %% ../notebooks/05_lr_schedules.ipynb #d20d2b13
 def build_scheduler(optimizer: torch.optim.Optimizer, name: str, total_steps: int, warmup_steps: int = 0,
                     warmup_start_factor: float = 0.01, step_size: int | None = None, gamma: float = 0.1,
                     milestones: list[int] | None = None, min_lr: float = 0.0) -> LRScheduler:

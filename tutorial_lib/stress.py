@@ -23,16 +23,17 @@ from pathlib import Path
 import numpy as np
 
 from .accel import EXIT_STATUS_ENV, read_exit_status, sha256_file
-from .core import (HelpFormatter, OneLineParser, config_path, free_port, in_notebook, non_negative_int,
-                               positive_int)
+from .cli import (HelpFormatter, OneLineParser, as_flags, cli_main, config_path, non_negative_int,
+                              positive_int)
+from .core import UserError, free_port, in_notebook
 
 # %% auto #0
 __all__ = ['BAD_FILE_KINDS', 'FORK_PRELOAD', 'ACCELERATE_LAUNCHES', 'STRESS_RUN', 'KILL_KINDS', 'KILL_WEIGHTS', 'POLITE',
            'LAUNCHED_AS', 'make_image_folder', 'corrupt_image', 'first_files_of_process', 'CliResult', 'child_env',
-           'as_flags', 'enter_small_disk', 'can_mount_small_disk', 'stop_fork_server', 'accelerate_launch_args',
-           'TrainingProcess', 'run_cli', 'assert_user_error', 'checkpoint_folders', 'KillPlan', 'KillRecord',
-           'draw_kill_plan', 'trial_kill_plans', 'scale_kill_plan', 'stopped_at_step', 'watch_and_kill', 'TrialResult',
-           'metrics_match', 'sigterm_problem', 'run_trial', 'stress_resume', 'get_args_parser', 'main']
+           'enter_small_disk', 'can_mount_small_disk', 'stop_fork_server', 'accelerate_launch_args', 'TrainingProcess',
+           'run_cli', 'checkpoint_folders', 'KillPlan', 'KillRecord', 'draw_kill_plan', 'trial_kill_plans',
+           'scale_kill_plan', 'stopped_at_step', 'watch_and_kill', 'TrialResult', 'metrics_match', 'sigterm_problem',
+           'run_trial', 'stress_resume', 'get_args_parser', 'run_command', 'main']
 
 # %% ../notebooks/11_reliability.ipynb #b4367a58
 def make_image_folder(root: str | os.PathLike, classes: int = 4, train_per_class: int = 24, val_per_class: int = 6,
@@ -128,19 +129,6 @@ def child_env(**extra: str) -> dict:
     return {k: v for k, v in env.items() if v is not None}
 
 
-def as_flags(options: dict) -> list[str]:
-    """`{"batch_size": 8, "cpu": True, "lr_milestones": [1, 2]}` -> `["--batch_size", "8", "--cpu", "--lr_milestones", "1", "2"]`."""
-    flags = []
-    for key, value in options.items():
-        if value is True:
-            flags.append(f"--{key}")
-        elif isinstance(value, (list, tuple)):
-            flags += [f"--{key}", *map(str, value)]
-        elif value is not False and value is not None:
-            flags += [f"--{key}", str(value)]
-    return flags
-
-
 def _fork_child(module: str, argv: list[str], out_path: str, err_path: str, cwd: str | None, env: dict,
                 small_disk: tuple[str, str] | None) -> None:
     """Body of a forked run: the environment, threads and files of `python -m <module>`, then its `main`."""
@@ -167,7 +155,8 @@ def _fork_child(module: str, argv: list[str], out_path: str, err_path: str, cwd:
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     from importlib import import_module
 
-    raise SystemExit(import_module(module).main(argv))  # None (train) is exit 0; `tutorial_lib.data` returns its status
+    # as `sys.exit(main())` ends a script: the course's mains (00a's cli_main) return None or raise SystemExit(status)
+    raise SystemExit(import_module(module).main(argv))
 
 
 def enter_small_disk(folder: str | os.PathLike, size: str) -> None:
@@ -404,14 +393,6 @@ def run_cli(argv: list[str], launcher: str = "fork", cwd: str | os.PathLike | No
         return TrainingProcess(argv, log_dir / "run", **options).result(timeout)
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
-
-
-def assert_user_error(result: CliResult, message: str, code: int = 2) -> None:
-    """A refused input: exit `code`, exactly one line `tutorial-train: error: <message>` on stderr, no traceback."""
-    assert not result.has_traceback, f"a traceback was printed:\n{result.stderr[-2000:]}"
-    assert result.returncode == code, f"exit code {result.returncode}, expected {code}; stderr:\n{result.stderr[-2000:]}"
-    assert result.stderr_lines == [f"tutorial-train: error: {message}"], \
-        f"stderr should be one line\n  tutorial-train: error: {message}\ngot:\n" + "\n".join(result.stderr_lines)
 
 # %% ../notebooks/11_reliability.ipynb #df032483
 STRESS_RUN = dict(model="tinycnn", img_size=16, epochs=3, batch_size=8, learning_rate=0.05, lr_scheduler="cosine",
@@ -730,7 +711,7 @@ def stress_resume(trials: int = 10, seed: int = 0, workdir: str | os.PathLike | 
 
 # %% ../notebooks/11_reliability.ipynb #19aa4330
 def get_args_parser() -> argparse.ArgumentParser:
-    """`python -m tutorial_lib.stress resume --trials N [--seed S] ...` (11): 00's conventions, as the training script
+    """`python -m tutorial_lib.stress resume --trials N [--seed S] ...` (11): 00a's conventions, as the training script
     (one-line errors, every default in `--help`, each value checked where it is declared)."""
     parser = OneLineParser(prog="python -m tutorial_lib.stress", formatter_class=HelpFormatter,
                            description="Reliability checks of the training script (notebook 11).")
@@ -761,9 +742,10 @@ def get_args_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point; exits 0 when every trial ends with bitwise-identical weights, 1 otherwise, 2 on bad flags."""
-    args = get_args_parser().parse_args(argv)
+def run_command(args: argparse.Namespace) -> int:
+    """`resume` with the parsed flags: 0 when every trial ends with bitwise-identical weights, 1 otherwise."""
+    if args.workdir and os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
+        raise UserError(f"--workdir {args.workdir} is a file: name a folder (it is created if it does not exist)")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="tutorial-stress-"))
     results = stress_resume(args.trials, args.seed, workdir, args.kills_per_trial, args.launcher,
                             run_options={"epochs": args.epochs}, kinds=tuple(args.kinds),
@@ -773,7 +755,13 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(workdir, ignore_errors=True)  # every run matched: nothing to look at, and it holds checkpoints
     elif not passed:
         print(f"the runs are kept in {workdir}", file=sys.stderr)
-    raise SystemExit(0 if passed else 1)
+    return 0 if passed else 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `python -m tutorial_lib.stress`: 00a's `cli_main`; exits 0 when every trial ends with
+    bitwise-identical weights, 1 otherwise, 2 on a wrong input."""
+    cli_main(get_args_parser(), run_command, argv)
 
 # %% ../notebooks/11_reliability.ipynb #636857f7
 if __name__ == "__main__" and not in_notebook():

@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import shutil
@@ -23,36 +21,35 @@ import torch.nn.functional as F
 from .accumulation import TinyCNN, loss_scale
 from .accel import (
     ClassificationMetrics, MetricsLogger, MissingPathError, NonFiniteGuard, NonFiniteLossError, StopRequest, TrainState,
-    UserInputError, atomic_write_text, build_accelerator, check_free_space, check_trackers, check_writable,
-    claim_run_folder, cut_metrics, format_metrics_table, merge_metrics, model_signature, read_metrics,
-    resolve_resume_path, resume_state, run_outputs, save_checkpoint, save_final_model, start_trackers, write_run_config)
-from .core import (
-    HelpFormatter, OneLineParser, Progress, StepTimer, count_training_flops, global_batch_size, in_notebook,
-    non_negative_float, non_negative_int, number_flag, parse_overrides, peak_flops_for, positive_float, positive_int)
+    atomic_write_text, build_accelerator, check_free_space, check_trackers, check_writable, claim_run_folder,
+    cut_metrics, format_metrics_table, merge_metrics, model_signature, read_metrics, resolve_resume_path, resume_state,
+    run_outputs, save_checkpoint, save_final_model, start_trackers, write_run_config)
+from .cli import (
+    HelpFormatter, OneLineParser, Progress, cli_main, non_negative_float, non_negative_int, number_flag, one_line,
+    parse_overrides, positive_float, positive_int)
+from .core import StepTimer, UserError, count_training_flops, global_batch_size, in_notebook, peak_flops_for
 from .data import (
-    DataLayoutError, EpochSeededDataset, UnreadableImageError, build_datasets, build_loaders, gather_skips,
-    embedded_data_path, normalize_on_device, progressive_resolution, resize_batch, resolve_data_source, seeded_subset)
+    EpochSeededDataset, build_datasets, build_loaders, gather_skips, embedded_data_path, normalize_on_device,
+    progressive_resolution, resize_batch, resolve_data_source, seeded_subset)
 from .optim import make_ema, param_groups
 from .schedules import build_scheduler, num_optimizer_steps, resume_with_flags, scaled_lr
 from .accel import (  # signals, launchers and exit statuses (06)
-    DiskFullError, LaunchError, RunFolderError, StopAtOnce, follow_launcher, latest_checkpoint, record_exit_status)
+    DiskFullError, LaunchError, RunFolderError, StopAtOnce, follow_launcher, is_main_process, latest_checkpoint,
+    process_index, record_exit_status)
 
 # %% auto #0
-__all__ = ['USER_ERRORS', 'TIMING_KEYS', 'WARMUP_CAP', 'WATCHED_FLAGS', 'RECIPE_V1', 'SHARED_ERRORS', 'BadFlagError',
-           'build_model', 'Run', 'EpochResult', 'train_crop_size', 'train_resolution', 'train_step', 'train_one_epoch',
-           'log_step', 'save_run_checkpoint', 'evaluate', 'load_data', 'resolve_learning_rate', 'build_optimizer',
+__all__ = ['TIMING_KEYS', 'WARMUP_CAP', 'WATCHED_FLAGS', 'RECIPE_V1', 'SHARED_ERRORS', 'BadFlagError', 'build_model', 'Run',
+           'EpochResult', 'train_crop_size', 'train_resolution', 'train_step', 'train_one_epoch', 'log_step',
+           'save_run_checkpoint', 'evaluate', 'load_data', 'resolve_learning_rate', 'build_optimizer',
            'build_training_scheduler', 'checkpoint_size', 'setup_run', 'resume_run', 'open_outputs',
            'train_and_evaluate', 'report_skips', 'epoch_row', 'finish_run', 'train', 'model_name', 'run_name',
            'user_path', 'meta_model', 'input_size_error', 'smallest_input_size', 'check_input_sizes', 'check_args',
            'check_paths', 'get_args_parser', 'add_run_and_data_flags', 'add_optimisation_flags',
-           'add_speed_and_checkpoint_flags', 'default_args', 'error_line', 'main', 'run_command_line']
+           'add_speed_and_checkpoint_flags', 'default_args', 'error_line', 'main', 'run_command']
 
 # %% ../notebooks/08_training_script.ipynb #774e706e
-class BadFlagError(UserInputError, ValueError):
+class BadFlagError(UserError, ValueError):
     """A command-line value, or a combination of values, that cannot work (checked before any data is read)."""
-
-
-USER_ERRORS = (UserInputError, DataLayoutError, UnreadableImageError)  # exit 2: the user fixes the input
 
 # %% ../notebooks/08_training_script.ipynb #4414eacd
 def build_model(name: str, num_classes: int, zero_init_residual: bool = False) -> nn.Module:
@@ -156,7 +153,7 @@ def train_one_epoch(run: Run, epoch: int, timer: StepTimer | None = None) -> Epo
     # After a mid-epoch resume, skip the micro-batches this epoch already consumed
     loader = skip_first_batches(run.train_loader, state.batches_done) if state.batches_done else run.train_loader
     bar = Progress(total=len(run.train_loader), initial=state.batches_done, desc=f"epoch {epoch}", unit="batches",
-                   disable=args.disable_progress_bar or not accelerator.is_main_process)  # 00: a bar, or lines in a log
+                   disable=args.disable_progress_bar or not accelerator.is_main_process)  # 00a: a bar, or lines in a log
     guard = NonFiniteGuard(accelerator, args.on_nonfinite_loss, state.nonfinite_skipped, state.nonfinite_in_a_row,
                            inject_at=args.inject_nan_at_steps)  # 06: a NaN/Inf loss stops or skips, on every process
     res = train_resolution(args, epoch)  # --img_size, or this epoch's progressive-resizing resolution (10)
@@ -236,8 +233,8 @@ def evaluate(model, criterion, val_loader, accelerator, num_classes: int, channe
 def load_data(args: argparse.Namespace) -> tuple:
     """Training and validation datasets of `--path_to_data` (07); training samples seeded per (seed, epoch, index)."""
     crop, val_size = train_crop_size(args), args.val_img_size or args.img_size
-    main = os.environ.get("RANK", "0") == "0"  # what the scan left out (hidden files, .tif...) is said once (07)
-    log = (lambda line: print(line, file=sys.stderr, flush=True)) if main else None
+    # what the scan left out (hidden files, .tif...) is said once (07)
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if is_main_process() else None
     try:
         train_ds, val_ds = build_datasets(args.path_to_data, img_size=crop, pipeline=args.data_pipeline,
                                           on_bad_file=args.on_bad_file, log=log, scale=(args.min_crop_scale, 1.0))
@@ -692,7 +689,7 @@ RECIPE_V1 = dict(model="resnet50", epochs=90, batch_size=32, lr_base=0.1, lr_bas
 def get_args_parser(add_help: bool = True, exit_on_error: bool = True) -> argparse.ArgumentParser:
     """The command line of `accelerate launch -m tutorial_lib.train` / `tutorial-train` (08); with
     `exit_on_error=False` a bad value raises `BadFlagError` instead of ending the process."""
-    parser = OneLineParser(  # 00's convention: every value checked by its type=, errors in one line
+    parser = OneLineParser(  # 00a's convention: every value checked by its type=, errors in one line
         prog="tutorial-train", add_help=add_help, formatter_class=HelpFormatter, error_type=None if exit_on_error else BadFlagError,
         description="Train an image classifier (ResNet50 on ImageNet by default) with Accelerate, on 1 CPU "
                     "to many GPUs. Launch with `accelerate launch -m tutorial_lib.train [flags]`.",
@@ -802,17 +799,13 @@ def add_speed_and_checkpoint_flags(group, checkpoints) -> None:
 # %% ../notebooks/08_training_script.ipynb #337852c2
 def default_args(**overrides) -> argparse.Namespace:
     """The command line's defaults with `overrides` applied, each checked by its flag's `type=` as if typed
-    (00's `parse_overrides`; `BadFlagError` otherwise). For notebooks and tests."""
+    (00a's `parse_overrides`; `BadFlagError` otherwise). For notebooks and tests."""
     return parse_overrides(get_args_parser(exit_on_error=False), **overrides)
 
 
 def error_line(err: BaseException) -> str:
-    """The one line `main` prints for `err` (a DataLoader worker's error keeps only its original message)."""
-    text = str(err).strip()
-    if "Original Traceback" in text:  # re-raised from a loader worker: its last line is the original error
-        text = text.splitlines()[-1].split(": ", 1)[-1]
-    text = " ".join(text.split())
-    return text.replace("build the datasets with on_bad_file='skip'", "pass --on_bad_file skip")
+    """The one line `main` prints for `err`: 00a's `one_line`, in the words of the command line."""
+    return one_line(err).replace("build the datasets with on_bad_file='skip'", "pass --on_bad_file skip")
 
 
 # Raised the same way on every process (the same flags, or a decision all processes took together): process 0 says it
@@ -820,36 +813,20 @@ SHARED_ERRORS = (BadFlagError, LaunchError, RunFolderError, NonFiniteLossError, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of `tutorial-train` and `python -m tutorial_lib.train`; returns nothing (`sys.exit(main())` would
-    exit with it). A user error prints one line and exits 2, a NaN/Inf loss 3, no traceback (11); SIGTERM/SIGUSR1
-    and Ctrl-C checkpoint and exit 143/138/130; a second Ctrl-C stops at once (130). Bugs keep their traceback.
-    The status also goes to `$TUTORIAL_EXIT_STATUS_FILE` when set (06's `record_exit_status`): `accelerate launch`
-    reports 1 for all of them."""
-    try:
-        status = run_command_line(argv)
-    except SystemExit as exit_:  # argparse: a bad flag (2) or --help (0)
-        record_exit_status(exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None))
-        raise
-    record_exit_status(status)
-    if status:  # 128 + the signal after a polite stop, like a process it killed; 2 or 3 after one line
-        raise SystemExit(status)
+    """Entry point of `tutorial-train` and `python -m tutorial_lib.train`: 00a's `cli_main`. A user error prints one
+    line and exits 2, a NaN/Inf loss 3, no traceback (11), said once per launch; SIGTERM/SIGUSR1 and Ctrl-C
+    checkpoint and exit 143/138/130; a second Ctrl-C stops at once (130). Bugs keep their traceback. The status also
+    goes to `$TUTORIAL_EXIT_STATUS_FILE` when set (06's `record_exit_status`): `accelerate launch` reports 1 for all."""
+    cli_main(get_args_parser(), run_command, argv, process=process_index(), shared=SHARED_ERRORS,
+             exit_statuses={NonFiniteLossError: 3}, line=error_line, on_exit=record_exit_status)
 
 
-def run_command_line(argv: list[str] | None = None) -> int:
-    """Parse, train, and turn each documented outcome into its exit status and at most one line on stderr."""
-    rank = os.environ.get("RANK")
-    main_process = rank in (None, "0")
-    with contextlib.redirect_stderr(sys.stderr if main_process else io.StringIO()):  # a bad flag: process 0 says it
-        args = get_args_parser().parse_args(argv)
+def run_command(args: argparse.Namespace) -> int:
+    """Train with the parsed flags; return the exit status: 0, or 128 + the signal after a polite stop (06)."""
     try:
         return train(args)["exit_status"]
-    except (NonFiniteLossError, *USER_ERRORS) as err:
-        if main_process or not isinstance(err, SHARED_ERRORS):  # said once, or by the process it happened to
-            where = "" if main_process else f" (process {rank})"
-            print(f"tutorial-train: error{where}: {error_line(err)}", file=sys.stderr, flush=True)
-        return 3 if isinstance(err, NonFiniteLossError) else 2
     except KeyboardInterrupt as err:  # a second Ctrl-C (06's StopAtOnce), or Ctrl-C outside the training loop
-        if main_process:
+        if is_main_process():
             if isinstance(err, StopAtOnce):
                 last = latest_checkpoint(Path(args.working_directory) / args.experiment_name)
                 line = (f"stopped at once by a second Ctrl-C, without a checkpoint; the last one is {last or 'none'}: "

@@ -1,0 +1,207 @@
+"""The course's command-line conventions (00a): one user-error hierarchy, one `main` convention, one `Progress`."""
+import importlib
+import inspect
+import io
+import pkgutil
+from pathlib import Path
+
+import pytest
+from train_helpers import exit_status
+
+import tutorial_lib
+from tutorial_lib.cli import (HelpFormatter, OneLineParser, Progress, as_flags, cli_main, course_notebooks, one_line,
+                              parse_overrides, positive_int, run_notebooks)
+from tutorial_lib.core import UserError
+
+
+def library_modules() -> dict:
+    """Every module of tutorial_lib, imported."""
+    names = [m.name for m in pkgutil.iter_modules(tutorial_lib.__path__) if not m.name.startswith("_")]
+    return {name: importlib.import_module(f"tutorial_lib.{name}") for name in names}
+
+
+# Exceptions of the library that are not an input the user fixes, and why.
+NOT_USER_ERRORS = {
+    "accel.NonFiniteLossError": "the loss became NaN or Inf: exit status 3, its own line",
+    "accel.StopAtOnce": "a second Ctrl-C: a KeyboardInterrupt, exit status 130",
+    "data._TooManyPixels": "inside decoding only: it becomes the UnreadableImageError that names the file",
+}
+
+
+def test_every_user_error_class_of_the_library_derives_from_core_user_error():
+    found = {f"{name}.{cls.__name__}": cls for name, module in library_modules().items()
+             for cls in vars(module).values()
+             if inspect.isclass(cls) and issubclass(cls, BaseException) and cls.__module__ == module.__name__}
+    assert "core.UserError" in found and len(found) > 8, sorted(found)
+    not_user = {name for name, cls in found.items() if not issubclass(cls, UserError)}
+    assert not_user == set(NOT_USER_ERRORS), (f"an error the user fixes derives from tutorial_lib.core.UserError; any "
+                                              f"other is listed with its reason: {sorted(not_user ^ set(NOT_USER_ERRORS))}")
+    assert not [name for name, cls in found.items() if name in NOT_USER_ERRORS and issubclass(cls, UserError)]
+
+
+def test_the_old_error_families_are_gone():
+    modules = library_modules()
+    assert not hasattr(modules["accel"], "UserInputError") and not hasattr(modules["train"], "USER_ERRORS")
+
+
+# Every command line of the course: (module, a bad flag, its error line's start, a wrong input, its line's start).
+def command_lines(tmp: Path) -> dict:
+    (tmp / "a_file").write_text("")
+    return {
+        "cli": (["run-notebooks", "--smoke", "--fast"], "tutorial-lib: error: unrecognized arguments: --fast",
+                ["run-notebooks", str(tmp / "99_missing.ipynb")], f"tutorial-lib: error: no notebook {tmp / '99_missing.ipynb'}"),
+        "data": (["shard", "a", "b", "--shard_mb", "0"], "python -m tutorial_lib.data shard: error: --shard_mb must be",
+                 ["prepare-val", str(tmp / "nowhere"), str(tmp / "m.txt")],
+                 f"python -m tutorial_lib.data: error: validation folder {tmp / 'nowhere'} does not exist"),
+        "bench": (["loop", "--steps", "0"], "python -m tutorial_lib.bench loop: error: --steps must be >= 1, got 0",
+                  ["data", "--data_dir", str(tmp / "nowhere")],
+                  f"python -m tutorial_lib.bench: error: image folder {tmp / 'nowhere'} does not exist"),
+        "stress": (["resume", "--trials", "0"], "python -m tutorial_lib.stress resume: error: --trials must be >= 1",
+                   ["resume", "--workdir", str(tmp / "a_file")],
+                   f"python -m tutorial_lib.stress: error: --workdir {tmp / 'a_file'} is a file"),
+        "train": (["--epochs", "0"], "tutorial-train: error: --epochs must be >= 1, got 0",
+                  ["--cpu", "--log_with", "none", "--path_to_data", str(tmp / "nowhere"), "--working_directory",
+                   str(tmp / "runs")], f"tutorial-train: error: --path_to_data: data folder {tmp / 'nowhere'} does not exist"),
+    }
+
+
+def test_every_module_with_a_main_is_a_command_line_checked_here(tmp_path):
+    with_main = {name for name, module in library_modules().items()
+                 if inspect.isfunction(getattr(module, "main", None)) and module.main.__module__ == module.__name__}
+    assert with_main == set(command_lines(tmp_path)), with_main
+
+
+@pytest.mark.parametrize("module", ["cli", "data", "bench", "stress", "train"])
+def test_every_command_line_says_a_bad_flag_and_a_wrong_input_in_one_line_with_status_2(module, tmp_path, capsys,
+                                                                                         monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.chdir(tmp_path)
+    bad_flag, flag_line, wrong_input, input_line = command_lines(tmp_path)[module]
+    main = importlib.import_module(f"tutorial_lib.{module}").main
+    for argv, start in [(bad_flag, flag_line), (wrong_input, input_line)]:
+        status = exit_status(main, argv)
+        err = capsys.readouterr().err
+        assert status == 2 and err.count("\n") == 1 and err.startswith(start), (argv, status, err)
+        assert "Traceback" not in err
+
+
+def toy_parser() -> OneLineParser:
+    parser = OneLineParser(prog="toy", formatter_class=HelpFormatter)
+    parser.add_argument("--n", type=positive_int, default=1)
+    return parser
+
+
+class Shared(UserError):
+    """An error every process of a launch meets alike."""
+
+
+class Nan(RuntimeError):
+    """Not the user's input; a status of its own."""
+
+
+def raises(kind):
+    def run(args):
+        raise kind("met it")
+    return run
+
+
+def run_toy(run, argv, capsys, **options) -> tuple[int, str, list]:
+    seen = []
+    status = exit_status(lambda a: cli_main(toy_parser(), run, a, on_exit=seen.append, **options), argv)
+    return status, capsys.readouterr().err, seen
+
+
+def test_cli_main_returns_on_success_and_exits_with_the_status_run_returns(capsys):
+    assert run_toy(lambda args: None, [], capsys) == (0, "", [0])
+    assert run_toy(lambda args: 143, [], capsys) == (143, "", [143])
+    assert run_toy(lambda args: None, ["--help"], capsys)[::2] == (0, [0]), "--help is status 0, and on_exit sees it"
+
+
+def test_cli_main_says_each_error_once_by_process_0_or_by_the_process_that_met_it_alone(capsys):
+    options = dict(shared=(Shared,), exit_statuses={Nan: 3})
+    assert run_toy(raises(UserError), [], capsys, **options) == (2, "toy: error: met it\n", [2])
+    assert run_toy(raises(Nan), [], capsys, **options) == (3, "toy: error: met it\n", [3])
+    assert run_toy(raises(Shared), [], capsys, process=0, **options) == (2, "toy: error: met it\n", [2])
+    assert run_toy(raises(Shared), [], capsys, process=1, **options) == (2, "", [2])
+    assert run_toy(raises(UserError), [], capsys, process=1, **options) == (2, "toy: error (process 1): met it\n", [2])
+    assert run_toy(lambda args: None, ["--n", "0"], capsys, process=1, **options) == (2, "", [2]), "process 0 says a bad flag"
+    assert run_toy(lambda args: None, ["--n", "0"], capsys, **options) == (2, "toy: error: --n must be >= 1, got 0\n", [2])
+
+
+def test_cli_main_leaves_a_bug_its_traceback(capsys):
+    with pytest.raises(ZeroDivisionError):
+        cli_main(toy_parser(), lambda args: 1 / 0, [])
+    assert capsys.readouterr().err == ""
+
+
+def test_one_line_keeps_a_data_loader_workers_original_message():
+    from torch.utils.data import DataLoader, Dataset
+
+    class Damaged(Dataset):
+        def __len__(self):
+            return 1
+
+        def __getitem__(self, i):
+            raise UserError("cannot decode image 0.jpg:\n  truncated")
+
+    with pytest.raises(UserError) as caught:
+        next(iter(DataLoader(Damaged(), num_workers=1)))
+    assert "Original Traceback" in str(caught.value) and one_line(caught.value) == "cannot decode image 0.jpg: truncated"
+
+
+def test_as_flags_writes_the_command_line_that_parse_overrides_parses():
+    parser = toy_parser()
+    parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--milestones", type=positive_int, nargs="*", default=None)
+    parser.add_argument("--name", default="a")
+    options = dict(n=3, cpu=True, milestones=[30, 60], name=None)
+    assert as_flags(options) == ["--n", "3", "--cpu", "--milestones", "30", "60"]
+    assert vars(parse_overrides(parser, **options)) == options
+    assert as_flags(dict(cpu=False, name=None)) == []
+
+
+def test_progress_in_a_log_is_one_plain_line_per_interval_in_items_or_bytes():
+    log = io.StringIO()
+    epoch = Progress(20, "epoch 0", unit="batches", interval=0.0, file=log)
+    for _ in range(2):
+        epoch.update(10)
+    epoch.set_postfix(loss="1.20")
+    epoch.update(0)
+    epoch.close()  # no summary line unless asked
+    lines = log.getvalue().splitlines()
+    assert [line.split(", ")[0] for line in lines] == ["epoch 0: 10/20 batches (50 %)", "epoch 0: 20/20 batches (100 %)",
+                                                       "epoch 0: 20/20 batches (100 %)"], lines
+    assert lines[-1].endswith(", loss 1.20") and " batches/s, " in lines[0] and "\r" not in log.getvalue()
+
+    log = io.StringIO()
+    job = Progress(3_000_000, "job", unit="B", interval=0.0, file=log, summary=True)
+    for _ in range(3):
+        job.update(1_000_000)
+    job.close()
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 4 and lines[0].startswith("job: 1.0 MB of 3.0 MB (33 %)") and "\r" not in log.getvalue()
+    assert lines[-1].startswith("job: done, 3.0 MB in")
+
+
+def test_progress_prints_nothing_when_disabled():
+    log = io.StringIO()
+    progress = Progress(3, "job", interval=0.0, file=log, disable=True, summary=True)
+    progress.update(3)
+    progress.close()
+    assert log.getvalue() == ""
+
+
+def test_course_notebooks_sort_each_deep_dive_right_after_its_notebook(tmp_path):
+    for name in ["10_performance", "01_gradient_accumulation", "00a_course_tools", "00_introduction",
+                 "08a_production_script", "08_training_script", "scratch", "Untitled"]:
+        (tmp_path / f"{name}.ipynb").write_text("{}")
+    assert [p.stem for p in course_notebooks(tmp_path)] == [
+        "00_introduction", "00a_course_tools", "01_gradient_accumulation", "08_training_script", "08a_production_script",
+        "10_performance"]
+    course = [p.name for p in course_notebooks(Path(__file__).resolve().parents[1] / "notebooks")]
+    assert course[:2] == ["00_introduction.ipynb", "00a_course_tools.ipynb"], course
+
+
+def test_run_notebooks_refuses_a_missing_notebook_before_running_any(tmp_path):
+    with pytest.raises(UserError, match="no notebook .*99_missing.ipynb"):
+        run_notebooks([tmp_path / "99_missing.ipynb"], smoke=True)
