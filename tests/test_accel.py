@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from tutorial_lib.accel import (ClassificationMetrics, MetricsLogger, launch_with_timeout, read_metrics,
                                 resolve_wandb_mode, wandb_api_key_configured)
+from tutorial_lib.core import fork_safe
 
 NUM_CLASSES = 10
 N_SAMPLES = 37   # does not divide by num_processes (2) x batch_size (4)
@@ -209,7 +210,7 @@ def two_process_records(tmp_path_factory):
     from accelerate import debug_launcher
 
     out_dir = tmp_path_factory.mktemp("accel2")
-    debug_launcher(_two_process_metrics, args=(str(out_dir),), num_processes=2)
+    debug_launcher(fork_safe(_two_process_metrics), args=(str(out_dir),), num_processes=2)
     records = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(r["num_processes"] == 2 for r in records)
     return out_dir, records

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from .core import free_port
+from .core import fork_safe, free_port
 
 # %% auto #0
 __all__ = ['IGNORE_LABEL', 'CHECKPOINT_FORMAT', 'MANIFEST', 'PROGRESS_FILE', 'RUN_LOCK', 'RUN_OUTPUTS', 'LAUNCHERS',
@@ -74,7 +74,7 @@ def launch_with_timeout(fn, args: tuple = (), num_processes: int = 2, timeout: f
         try:
             with launched_threads(), contextlib.redirect_stdout(_WithoutLaunchBanner(sys.stdout)), \
                     _signal_handlers_kept():
-                notebook_launcher(_in_launched_threads(fn), args, num_processes=num_processes,
+                notebook_launcher(fork_safe(fn), args, num_processes=num_processes,
                                   use_port=str(free_port()))
             return
         except Exception as err:
@@ -108,22 +108,10 @@ def launched_threads():
     """`OMP_NUM_THREADS` for the launched processes: the one set here, else 1 (06). The workers are forked
     from this process; once it has computed with several OpenMP threads, a forked child's first
     multi-threaded operation waits forever (GCC's libgomp cannot restart its threads after a fork), so one
-    thread is the only safe default. accelerate's `patch_environment` restores this process's variable."""
+    thread is the only safe default (`fork_safe`, 00). accelerate's `patch_environment` restores this process's variable."""
     from accelerate.utils import patch_environment
 
     return patch_environment(omp_num_threads=os.environ.get("OMP_NUM_THREADS") or 1)
-
-
-def _in_launched_threads(fn):
-    """`fn`, first setting torch's thread count from `OMP_NUM_THREADS`: a forked process keeps its parent's
-    count, which the variable alone no longer changes."""
-
-    @functools.wraps(fn)
-    def run(*args):
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        return fn(*args)
-
-    return run
 
 
 class _WithoutLaunchBanner:
