@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from tutorial_lib.core import free_port
+from tutorial_lib.core import fork_safe, free_port
 from tutorial_lib.schedules import build_scheduler, lr_curve, num_optimizer_steps, scaled_lr
 
 BASE, T, W, S = 0.1, 100, 10, 0.01
@@ -158,7 +158,7 @@ def _launch(num_processes):
     with tempfile.TemporaryDirectory() as out_dir, patch_environment(master_port=str(free_port())), \
             warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        debug_launcher(_worker, args=(out_dir,), num_processes=num_processes)
+        debug_launcher(fork_safe(_worker), args=(out_dir,), num_processes=num_processes)
         return [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))]
 
 

@@ -330,6 +330,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                'tutorial_lib/core.py'),
                                    'tutorial_lib.core.cpu_launch_config': ('introduction.html#cpu_launch_config', 'tutorial_lib/core.py'),
                                    'tutorial_lib.core.environment_report': ('introduction.html#environment_report', 'tutorial_lib/core.py'),
+                                   'tutorial_lib.core.fork_safe': ('introduction.html#fork_safe', 'tutorial_lib/core.py'),
                                    'tutorial_lib.core.free_port': ('introduction.html#free_port', 'tutorial_lib/core.py'),
                                    'tutorial_lib.core.global_batch_size': ('introduction.html#global_batch_size', 'tutorial_lib/core.py'),
                                    'tutorial_lib.core.in_notebook': ('introduction.html#in_notebook', 'tutorial_lib/core.py'),

@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .core import global_batch_size
+from .core import fork_safe, global_batch_size
 
 # %% auto #0
 __all__ = ['activation_bytes', 'training_state_bytes', 'accumulation_steps_for', 'make_toy_cnn', 'toy_batch', 'TinyCNN',
@@ -287,7 +287,7 @@ def run_accumulation_timeline(gradient_accumulation_steps: int = 4, num_optimize
     from accelerate import debug_launcher
 
     with tempfile.TemporaryDirectory() as out_dir:
-        debug_launcher(accumulation_timeline_worker, num_processes=num_processes,
+        debug_launcher(fork_safe(accumulation_timeline_worker), num_processes=num_processes,
                        args=(out_dir, gradient_accumulation_steps, num_optimizer_steps, batch_size, width, seed))
         ranks = [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(num_processes)]
     num_micro_steps = len(ranks[0]["micro_steps"])

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import platform
 import random
@@ -20,7 +21,7 @@ import torch
 
 # %% auto #0
 __all__ = ['SMOKE_ENV_VAR', 'IMAGENET_TRAIN_IMAGES', 'RECIPE_EPOCHS', 'PEAK_BF16_TFLOPS', 'STATE_PROBE', 'smoke_mode',
-           'seed_everything', 'in_notebook', 'free_port', 'scratch_dir', 'count_training_flops',
+           'seed_everything', 'in_notebook', 'free_port', 'fork_safe', 'scratch_dir', 'count_training_flops',
            'training_time_seconds', 'peak_flops_for', 'mfu', 'peak_memory_bytes', 'StepClock', 'StepTimer',
            'global_batch_size', 'environment_report', 'bf16_supported', 'accelerate_cli', 'cpu_launch_config',
            'read_process_states', 'launch_state_probe', 'UserError']
@@ -62,6 +63,24 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+# %% ../notebooks/00_introduction.ipynb #f0c5afe1
+def fork_safe(fn):
+    """`fn` made safe to run in a process forked by a launcher (`debug_launcher`, `notebook_launcher`):
+    torch computes on `OMP_NUM_THREADS` threads there, one unless the launch set more.
+
+    A forked process keeps its parent's thread count but not its parent's OpenMP threads. Once the parent
+    has computed on several threads (GCC's libgomp), the child's first multi-threaded operation waits
+    forever for threads that do not exist; one thread needs none. Setting the variable in the child also
+    stops accelerate from choosing a thread count of its own for a CPU run."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        return fn(*args, **kwargs)
+
+    return run
 
 
 def scratch_dir(prefix: str) -> Path:

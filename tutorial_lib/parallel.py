@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .accumulation import (CommHookRecorder, gradient_snapshot, make_toy_cnn, max_abs_difference,
                                       timed_forward_backward, toy_batch)
+from .core import fork_safe
 
 # %% auto #0
 __all__ = ['ZERO_STAGES', 'ddp_gradient_worker', 'summation_tolerance', 'longest_gradient_sum', 'run_ddp_gradient_check',
@@ -98,7 +99,7 @@ def run_ddp_gradient_check(num_processes: int = 2, global_batch: int = 16, seed:
     # debug_launcher meets its processes through a temporary file (a FileStore), not a TCP port,
     # so runs in parallel (pytest-xdist) do not clash even though it sets MASTER_PORT=29500.
     with tempfile.TemporaryDirectory() as out_dir:
-        debug_launcher(ddp_gradient_worker, args=(out_dir, global_batch, seed), num_processes=num_processes)
+        debug_launcher(fork_safe(ddp_gradient_worker), args=(out_dir, global_batch, seed), num_processes=num_processes)
         ranks = [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(num_processes)]
     reference_model = make_toy_cnn(norm="none", seed=seed)
     inputs, targets = toy_batch(global_batch, seed=seed)
@@ -170,7 +171,7 @@ def run_ddp_timeline(bucket_caps_mb: Sequence[float] = (25.0, 5.0), steps: int =
     from accelerate import debug_launcher
 
     with tempfile.TemporaryDirectory() as out_dir:
-        debug_launcher(ddp_timeline_worker, num_processes=num_processes,
+        debug_launcher(fork_safe(ddp_timeline_worker), num_processes=num_processes,
                        args=(out_dir, tuple(bucket_caps_mb), steps, batch_size, img_size, arch, seed))
         per_rank = [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(num_processes)]
     out = {}
@@ -548,7 +549,7 @@ def run_fsdp_step_comparison(num_processes: int = 2, global_batch: int = 8, img_
     if global_batch % num_processes:
         raise ValueError(f"global_batch={global_batch} must be divisible by num_processes={num_processes}")
     with tempfile.TemporaryDirectory() as out_dir:
-        debug_launcher(fsdp_step_worker, num_processes=num_processes,
+        debug_launcher(fork_safe(fsdp_step_worker), num_processes=num_processes,
                        args=(out_dir, global_batch, img_size, lr, seed, arch, wrap))
         ranks = [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(num_processes)]
     r0 = ranks[0]
