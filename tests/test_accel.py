@@ -1,4 +1,4 @@
-"""tutorial_lib.accel: printing/logging once, W&B mode without the network, exact metrics across processes.
+"""tutorial_lib.accel: printing/logging once, exact metrics across processes.
 
 The distributed tests run 2 real CPU processes (gloo) with `accelerate.debug_launcher`; the launched
 functions live at module level so they can be pickled. debug_launcher rendezvous through a temp
@@ -8,11 +8,9 @@ import contextlib
 import io
 import json
 import math
-import multiprocessing
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,8 +20,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from tutorial_lib.accel import (ClassificationMetrics, MetricsLogger, launch_with_timeout, read_metrics,
-                                resolve_wandb_mode, wandb_api_key_configured)
+from tutorial_lib.accel import ClassificationMetrics, MetricsLogger, read_metrics
 from tutorial_lib.core import fork_safe
 
 NUM_CLASSES = 10
@@ -76,47 +73,6 @@ def test_metrics_logger_writes_nothing_off_the_main_process(tmp_path):
 def test_metrics_logger_refuses_non_scalar_tensors_with_a_hint(tmp_path):
     with pytest.raises(TypeError, match="scalars"):
         MetricsLogger(tmp_path / "m.jsonl").log({"loss": torch.ones(3)})
-
-
-@pytest.fixture
-def no_wandb_config(monkeypatch, tmp_path):
-    """An environment with no W&B variables and an empty home (no .netrc)."""
-    for var in ["WANDB_MODE", "WANDB_API_KEY", "WANDB_DISABLED", "WANDB_BASE_URL"]:
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("NETRC", str(tmp_path / "no-such-netrc"))
-    return tmp_path
-
-
-def test_resolve_wandb_mode_is_offline_without_an_api_key(no_wandb_config):
-    assert not wandb_api_key_configured()
-    assert resolve_wandb_mode() == "offline"
-
-
-def test_resolve_wandb_mode_is_online_with_a_key_in_the_environment(no_wandb_config, monkeypatch):
-    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
-    assert resolve_wandb_mode() == "online"
-
-
-def test_resolve_wandb_mode_is_online_with_a_netrc_entry(no_wandb_config, monkeypatch):
-    netrc_file = no_wandb_config / "netrc"
-    netrc_file.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
-    netrc_file.chmod(0o600)
-    monkeypatch.setenv("NETRC", str(netrc_file))
-    assert resolve_wandb_mode() == "online"
-
-
-@pytest.mark.parametrize("explicit,expected", [("disabled", "disabled"), ("offline", "offline"),
-                                               ("ONLINE", "online"), ("dryrun", "offline")])
-def test_resolve_wandb_mode_respects_an_explicit_wandb_mode(no_wandb_config, monkeypatch, explicit, expected):
-    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)       # an explicit mode beats a configured key
-    monkeypatch.setenv("WANDB_MODE", explicit)
-    assert resolve_wandb_mode() == expected
-
-
-def test_resolve_wandb_mode_refuses_an_unknown_mode(no_wandb_config, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "sometimes")
-    with pytest.raises(ValueError, match="WANDB_MODE"):
-        resolve_wandb_mode()
 
 
 def test_classification_metrics_match_a_direct_computation_over_several_batches():
@@ -263,73 +219,6 @@ def test_sync_on_compute_sums_local_states_exactly_without_padding(two_process_r
         assert rec["synced_padded"]["count"] == 2 * BATCH_SIZE * math.ceil(N_SAMPLES / (2 * BATCH_SIZE))
 
 
-def hang_once_on_rank_1(marker: str) -> None:
-    """A launched function whose first launch hangs on rank 1 (as a worker that inherited a held lock does)."""
-    import time
-
-    from accelerate import Accelerator
-
-    accelerator = Accelerator(cpu=True)
-    first_launch = not Path(marker).exists()
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        Path(marker).write_text(Path(marker).read_text() + "x" if Path(marker).exists() else "x")
-    if first_launch and accelerator.process_index == 1:
-        time.sleep(600)
-    accelerator.wait_for_everyone()
-    Path(f"{marker}.done{accelerator.process_index}").write_text(str(accelerator.num_processes))
-
-
-@pytest.mark.slow
-def test_launch_with_timeout_kills_a_hung_launch_and_starts_it_again(tmp_path):
-    marker = str(tmp_path / "launches")
-    start = time.perf_counter()
-    launch_with_timeout(hang_once_on_rank_1, (marker,), num_processes=2, timeout=15)
-    assert Path(marker).read_text() == "xx", "expected exactly two launches"
-    assert [Path(f"{marker}.done{r}").read_text() for r in (0, 1)] == ["2", "2"]
-    assert time.perf_counter() - start < 60
-    assert not multiprocessing.active_children(), "the killed workers were not reaped"
-
-
-@pytest.mark.slow
-def test_launch_with_timeout_gives_up_after_its_attempts(tmp_path):
-    marker = str(tmp_path / "launches")
-    with pytest.raises(Exception):
-        launch_with_timeout(hang_once_on_rank_1, (marker,), num_processes=2, timeout=10, attempts=1)
-    assert Path(marker).read_text() == "x"
-
-
-def note_threads(out: str) -> None:
-    """A launched function that notes its OMP_NUM_THREADS and torch thread count, per rank."""
-    import warnings
-
-    from accelerate import Accelerator
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        accelerator = Accelerator(cpu=True)
-    Path(f"{out}.{accelerator.process_index}").write_text(json.dumps(
-        [os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads(), [str(w.message) for w in caught]]))
-
-
-@pytest.mark.slow
-def test_launched_processes_compute_on_one_thread_without_accelerates_warning(tmp_path, monkeypatch, capsys):
-    """Forked from a process that has computed with OpenMP threads, a worker's first multi-threaded operation
-    hangs (GCC's libgomp after fork): each launched process runs on one thread unless OMP_NUM_THREADS says
-    otherwise, set in torch itself (a forked process keeps its parent's count whatever the variable says)."""
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    torch.set_num_threads(2)
-    torch.ones(512, 512) @ torch.ones(512, 512)  # this process has now used its OpenMP threads
-    out = str(tmp_path / "threads")
-    launch_with_timeout(note_threads, (out,), num_processes=2, timeout=120)
-    for rank in (0, 1):
-        variable, threads, warned = json.loads(Path(f"{out}.{rank}").read_text())
-        assert (variable, threads) == ("1", 1)
-        assert not any("OMP_NUM_THREADS" in w for w in warned), warned
-    assert "OMP_NUM_THREADS" not in os.environ, "the launching process's environment is restored"
-    assert "Launching training on" not in capsys.readouterr().out, "no 'N CUDAs' banner on a CPU"
-
-
 THREADS_SCRIPT = """
 import json, sys
 import torch
@@ -378,67 +267,3 @@ def test_two_process_exact_metrics_hold_their_tolerance_at_any_thread_count(tmp_
     assert got["threads"] == threads
     assert got["count"] == N_SAMPLES and got["top1"] == single["top1"] and got["top5"] == single["top5"], (got, single)
     assert abs(got["loss"] - single["loss"]) < 1e-9, (got, single)
-
-
-# --- an offline W&B run, written by the trackers of the training script and read back -------------------
-
-def log_offline(run_dir: Path, first_step: int, steps: int) -> str:
-    """One start of a run's logging as the training script does it (`start_trackers` with a fixed run id)."""
-    from accelerate import Accelerator
-    from tutorial_lib.accel import start_trackers
-
-    accelerator = Accelerator(cpu=True, log_with="wandb", project_dir=str(run_dir))
-    mode = start_trackers(accelerator, "tests", config={"lr": 0.25, "model": "tinycnn"}, run_id="offlinetest",
-                          name="offline", run_dir=run_dir)
-    for step in range(first_step, first_step + steps):
-        accelerator.log({"loss": 1.0 / (step + 1), "epoch": step // 2}, step=step)
-    accelerator.end_training()
-    return mode
-
-
-def test_an_offline_wandb_run_and_its_resume_are_read_back_from_their_files(no_wandb_config, monkeypatch):
-    from tutorial_lib.accel import read_wandb_offline_run
-
-    monkeypatch.setenv("WANDB_MODE", "offline")  # and no key, no .netrc: nothing can reach a server
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    run_dir = no_wandb_config / "run"
-    run_dir.mkdir()
-    assert log_offline(run_dir, 0, 4) == "offline"
-    log_offline(run_dir, 4, 3)  # the resumed run: the same run id
-    folders = sorted((run_dir / "wandb").glob("offline-run-*"))
-    assert len(folders) == 2, folders
-    runs = [read_wandb_offline_run(folder, timeout=30) for folder in folders]  # W&B writes them a moment later
-    assert [r["run_id"] for r in runs] == ["offlinetest"] * 2 and runs[0]["project"] == "tests"
-    assert all(r["finished"] for r in runs)
-    assert runs[0]["config"] == {"lr": 0.25, "model": "tinycnn"}, runs[0]["config"]
-    rows = [row for r in runs for row in r["history"]]
-    assert [row["_step"] for row in rows] == list(range(7))
-    assert [row["loss"] for row in rows] == [1.0 / (s + 1) for s in range(7)] and rows[5]["epoch"] == 2
-    assert runs[0]["summary"]["loss"] == 1.0 / 4 and runs[1]["summary"]["loss"] == 1.0 / 7
-    assert runs[1]["summary"]["_step"] == 6
-
-
-def test_reading_an_offline_wandb_run_stops_at_a_torn_record_and_refuses_other_files(tmp_path, no_wandb_config,
-                                                                                        monkeypatch):
-    from tutorial_lib.accel import read_wandb_offline_run
-
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    run_dir = no_wandb_config / "run"
-    run_dir.mkdir()
-    log_offline(run_dir, 0, 5)
-    (folder,) = (run_dir / "wandb").glob("offline-run-*")
-    (wandb_file,) = folder.glob("run-*.wandb")
-    whole = read_wandb_offline_run(folder, timeout=30)
-    assert whole["finished"]
-    torn = tmp_path / "torn"
-    torn.mkdir()
-    (torn / wandb_file.name).write_bytes(wandb_file.read_bytes()[:-20])  # a run killed while writing
-    partial = read_wandb_offline_run(torn)
-    assert partial["run_id"] == "offlinetest" and not partial["finished"] and len(partial["history"]) <= 5
-    assert len(whole["history"]) == 5
-    (torn / wandb_file.name).write_bytes(b"not a wandb file")
-    with pytest.raises(ValueError, match="not a W&B run file"):
-        read_wandb_offline_run(torn)
-    with pytest.raises(FileNotFoundError, match="offline-run"):
-        read_wandb_offline_run(tmp_path)

@@ -22,8 +22,8 @@ def library_modules() -> dict:
 
 # Exceptions of the library that are not an input the user fixes, and why.
 NOT_USER_ERRORS = {
-    "accel.NonFiniteLossError": "the loss became NaN or Inf: exit status 3, its own line",
-    "accel.StopAtOnce": "a second Ctrl-C: a KeyboardInterrupt, exit status 130",
+    "runs.NonFiniteLossError": "the loss became NaN or Inf: exit status 3, its own line",
+    "runs.StopAtOnce": "a second Ctrl-C: a KeyboardInterrupt, exit status 130",
     "data._TooManyPixels": "inside decoding only: it becomes the UnreadableImageError that names the file",
 }
 

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from tutorial_lib.accel import (EXIT_STATUS_ENV, StopAtOnce, StopRequest, launch_with_timeout, latest_checkpoint,
-                                launcher_name, list_checkpoints, read_exit_status, record_exit_status)
+from tutorial_lib.checkpoints import latest_checkpoint, list_checkpoints
+from tutorial_lib.launching import (EXIT_STATUS_ENV, launch_with_timeout, launcher_name, read_exit_status,
+                                    record_exit_status)
+from tutorial_lib.runs import StopAtOnce, StopRequest
 from tutorial_lib.cli import as_flags, config_path
 from tutorial_lib.stress import CliResult, TrainingProcess, _running, child_env, make_image_folder, run_cli, sha256_file
 
@@ -120,7 +122,7 @@ def test_sigterm_to_a_two_process_accelerate_launch_checkpoints_exits_143_and_re
 
 NOTEBOOK_LAUNCH = textwrap.dedent("""
     import json, sys
-    from tutorial_lib.accel import launch_with_timeout
+    from tutorial_lib.launching import launch_with_timeout
     from tutorial_lib.train import default_args, train
 
     def run(options):

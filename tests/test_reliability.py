@@ -25,7 +25,8 @@ from tutorial_lib.cli import as_flags
 from tutorial_lib.data import IMG_EXTENSIONS
 from tutorial_lib.stress import (CliResult, TrainingProcess, child_env, corrupt_image, first_files_of_process,
                                  make_image_folder, run_cli, sha256_file)
-from tutorial_lib.accel import MANIFEST, incomplete_checkpoints, latest_checkpoint, list_checkpoints, verify_checkpoint
+from tutorial_lib.checkpoints import (MANIFEST, incomplete_checkpoints, latest_checkpoint, list_checkpoints,
+                                      verify_checkpoint)
 
 pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
 
@@ -164,7 +165,7 @@ def test_resume_from_another_models_checkpoint_is_refused(tmp_path, data, finish
     ckpt = latest_checkpoint(finished_run)
     sig = json.loads((ckpt / MANIFEST).read_text())["model_signature"]
     done = cli(tmp_path, data, model="resnet18", resume_from_checkpoint=ckpt)
-    from tutorial_lib.accel import model_signature
+    from tutorial_lib.checkpoints import model_signature
     from tutorial_lib.train import build_model
     other = model_signature(build_model("resnet18", 3))
     assert_user_error(done, f"--resume_from_checkpoint {ckpt} belongs to another model (tinycnn, 3 classes, "

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from train_helpers import assert_user_error
 
-from tutorial_lib.accel import MANIFEST, latest_checkpoint, list_checkpoints
+from tutorial_lib.checkpoints import MANIFEST, latest_checkpoint, list_checkpoints
 from tutorial_lib.cli import as_flags
 from tutorial_lib.core import free_port
 from tutorial_lib.stress import CliResult, can_mount_small_disk, child_env, make_image_folder, run_cli, sha256_file
@@ -440,7 +440,7 @@ def test_a_crafted_checkpoint_whose_manifest_matches_is_refused_in_one_line(tmp_
 
 
 def test_sizes_are_said_in_a_unit_that_reads():
-    from tutorial_lib.accel import format_bytes
+    from tutorial_lib.checkpoints import format_bytes
 
     assert [format_bytes(n) for n in (0, 999, 233472, 5.2e9, 97_517, 2**40 * 3)] == \
         ["0 bytes", "999 bytes", "228 KB", "4.84 GB", "95.2 KB", "3 TB"]

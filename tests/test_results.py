@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 threads = int(sys.argv[1])
 torch.set_num_threads(threads)
-from tutorial_lib.accel import latest_checkpoint, launch_with_timeout, read_metrics
+from tutorial_lib.accel import read_metrics
+from tutorial_lib.checkpoints import latest_checkpoint
+from tutorial_lib.launching import launch_with_timeout
 from tutorial_lib.parallel import longest_gradient_sum, summation_tolerance
 from tutorial_lib.train import build_model, default_args, train
 

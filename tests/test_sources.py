@@ -31,7 +31,7 @@ from tutorial_lib.data import (DataLayoutError, DataSourceError, Devkit, RecordD
                                build_datasets, embedded_data_path, from_archives, main, read_devkit,
                                resolve_data_source, run_data_benchmark, scan_image_folder, verify_unpacked,
                                write_shards)
-from tutorial_lib.accel import latest_checkpoint
+from tutorial_lib.checkpoints import latest_checkpoint
 from tutorial_lib.train import default_args, train
 from train_helpers import ROOT, TINY, bitwise_equal, exit_status, launch, max_weight_difference, weights
 

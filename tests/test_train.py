@@ -18,7 +18,7 @@ import yaml
 
 from tutorial_lib.accel import read_metrics
 from tutorial_lib.data import embedded_data_path
-from tutorial_lib.accel import latest_checkpoint, list_checkpoints
+from tutorial_lib.checkpoints import latest_checkpoint, list_checkpoints
 from tutorial_lib.cli import config_path
 from tutorial_lib.core import free_port
 from tutorial_lib.train import (RECIPE_V1, BadFlagError, build_training_scheduler, check_args, default_args,

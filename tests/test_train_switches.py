@@ -10,7 +10,8 @@ import torch
 
 from tutorial_lib import accel
 from tutorial_lib import train as T
-from tutorial_lib.accel import latest_checkpoint, read_metrics
+from tutorial_lib.accel import read_metrics
+from tutorial_lib.checkpoints import latest_checkpoint
 from tutorial_lib.core import count_training_flops
 from tutorial_lib.data import progressive_resolution
 

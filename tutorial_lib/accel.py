@@ -3,137 +3,21 @@
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #da86ef07
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import errno
 import functools
-import hashlib
-import importlib.util
 import json
-import multiprocessing
-import netrc
 import os
-import re
-import shutil
-import signal
-import socket
-import sys
-import threading
-import time
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import torch
 
-from .core import UserError, fork_safe, free_port
+from .core import UserError
 
 # %% auto #0
-__all__ = ['IGNORE_LABEL', 'CHECKPOINT_FORMAT', 'MANIFEST', 'PROGRESS_FILE', 'RUN_LOCK', 'RUN_OUTPUTS', 'LAUNCHERS',
-           'EXIT_STATUS_ENV', 'WANDB_MODES', 'launch_with_timeout', 'launched_threads', 'process_index',
-           'is_main_process', 'MetricsLogger', 'read_metrics', 'format_metrics_table', 'LaunchError',
-           'overlapping_copies', 'build_accelerator', 'ClassificationMetrics', 'merge_metrics', 'MissingPathError',
-           'CheckpointError', 'RunFolderError', 'checkpoint_root', 'list_checkpoints', 'incomplete_checkpoints',
-           'latest_checkpoint', 'fsync_path', 'atomic_write_text', 'sha256_file', 'model_signature', 'DiskFullError',
-           'format_bytes', 'check_free_space', 'follow_umask', 'save_checkpoint', 'save_final_model',
-           'verify_checkpoint', 'load_checkpoint', 'resolve_resume_path', 'TrainState', 'folder_run_id', 'resume_state',
-           'RunLock', 'run_outputs', 'check_writable', 'claim_run_folder', 'write_run_config', 'cut_metrics',
-           'NonFiniteLossError', 'NonFiniteGuard', 'StopAtOnce', 'StopRequest', 'launcher_name', 'follow_launcher',
-           'record_exit_status', 'read_exit_status', 'wandb_api_key_configured', 'resolve_wandb_mode',
-           'wandb_server_problem', 'check_trackers', 'start_trackers', 'read_wandb_offline_run']
-
-# %% ../notebooks/06_accelerate_fundamentals.ipynb #8f8d11a1
-def launch_with_timeout(fn, args: tuple = (), num_processes: int = 2, timeout: float | None = None,
-                        attempts: int = 2) -> None:
-    """`notebook_launcher(fn, args, num_processes)` on a free port; a launch still running after `timeout`
-    seconds has its workers killed and is started again, `attempts` starts at most (06).
-
-    For launches whose normal duration you know (a fork can inherit a held lock and hang for good,
-    see 06); `timeout=None` waits as long as the launch takes. A signal to this process while several
-    processes run (SIGTERM, Ctrl-C) reaches them: torch's agent inside `notebook_launcher` passes it on and
-    waits for them (up to `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, 30 s by default), so a training run checkpoints and
-    stops; then this raises `SystemExit(128 + the signal's number)`, `KeyboardInterrupt` for Ctrl-C. The
-    handlers the agent installs in this process are removed afterwards."""
-    from accelerate import notebook_launcher
-
-    for attempt in range(1, attempts + 1):
-        before = set(multiprocessing.active_children())  # the launcher's workers are this process's children
-        timed_out = threading.Event()
-
-        def kill_workers() -> None:
-            timed_out.set()
-            for worker in set(multiprocessing.active_children()) - before:
-                worker.kill()
-
-        timer = threading.Timer(timeout, kill_workers) if timeout else None
-        if timer:
-            timer.daemon = True
-            timer.start()
-        try:
-            with launched_threads(), contextlib.redirect_stdout(_WithoutLaunchBanner(sys.stdout)), \
-                    _signal_handlers_kept():
-                notebook_launcher(fork_safe(fn), args, num_processes=num_processes,
-                                  use_port=str(free_port()))
-            return
-        except Exception as err:
-            signum = getattr(err, "sigval", None)  # torch's SignalException: this process received a signal
-            if signum is not None:
-                if signum == signal.SIGINT:
-                    raise KeyboardInterrupt from None
-                raise SystemExit(128 + int(signum)) from None
-            if not timed_out.is_set() or attempt == attempts:
-                raise
-            print(f"launch {attempt} of {attempts} still ran after {timeout:g} s: killed; starting again", flush=True)
-        finally:
-            if timer:
-                timer.cancel()
-
-
-@contextlib.contextmanager
-def _signal_handlers_kept(names: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")):
-    """Put back this process's handlers of `names` on exit (torch's agent replaces them and leaves its own)."""
-    main = threading.current_thread() is threading.main_thread()
-    kept = {name: signal.getsignal(getattr(signal, name)) for name in names if main and hasattr(signal, name)}
-    try:
-        yield
-    finally:
-        for name, handler in kept.items():
-            if handler is not None:
-                signal.signal(getattr(signal, name), handler)
-
-
-def launched_threads():
-    """`OMP_NUM_THREADS` for the launched processes: the one set here, else 1 (06). The workers are forked
-    from this process; once it has computed with several OpenMP threads, a forked child's first
-    multi-threaded operation waits forever (GCC's libgomp cannot restart its threads after a fork), so one
-    thread is the only safe default (`fork_safe`, 00). accelerate's `patch_environment` restores this process's variable."""
-    from accelerate.utils import patch_environment
-
-    return patch_environment(omp_num_threads=os.environ.get("OMP_NUM_THREADS") or 1)
-
-
-class _WithoutLaunchBanner:
-    """stdout without notebook_launcher's "Launching training on N CUDAs." line, which it prints whatever the
-    device (also on a CPU); every other write, the launched processes' included, passes through."""
-
-    def __init__(self, target):
-        self.target, self._drop_newline = target, False
-
-    def write(self, text: str) -> int:
-        if text.startswith("Launching training on "):
-            self._drop_newline = True
-            return len(text)
-        if self._drop_newline and text == "\n":
-            self._drop_newline = False
-            return len(text)
-        self._drop_newline = False
-        return self.target.write(text)
-
-    def __getattr__(self, name):  # flush, fileno, isatty...: the real stream's
-        return getattr(self.target, name)
-
+__all__ = ['IGNORE_LABEL', 'process_index', 'is_main_process', 'MetricsLogger', 'read_metrics', 'format_metrics_table',
+           'LaunchError', 'MissingPathError', 'overlapping_copies', 'build_accelerator', 'gather_batch',
+           'ClassificationMetrics', 'merge_metrics']
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #00edb7a2
 def process_index(accelerator=None) -> int:
@@ -159,30 +43,12 @@ def is_main_process(accelerator=None) -> bool:
     `accelerator`'s own answer when given, else `process_index() == 0`."""
     return bool(accelerator.is_main_process) if accelerator is not None else process_index() == 0
 
-
-def _to_jsonable(value: Any) -> Any:
-    """Turn tensors, NumPy scalars and paths into plain JSON values."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise TypeError(f"MetricsLogger logs scalars; got a tensor of shape {tuple(value.shape)}. "
-                            "Reduce it (e.g. .mean()) or convert it with .tolist() first.")
-        return value.item()
-    if hasattr(value, "item") and not isinstance(value, (str, bytes)):
-        return value.item()
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): _to_jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_to_jsonable(v) for v in value]
-    return value
-
-
+# %% ../notebooks/06_accelerate_fundamentals.ipynb #6117fa7c
 class MetricsLogger:
     """Append one JSON object per `log` call to a JSON-lines file, on the main process only.
 
     The local record of a run (`metrics.jsonl`), independent of W&B; taught in 06, written by the
-    training script (08) and plotted in 09. Pass the `accelerator` if you have one; without it
+    training script (08a) and plotted in 09. Pass the `accelerator` if you have one; without it
     `is_main_process` finds rank 0."""
 
     def __init__(self, path: str | os.PathLike, accelerator=None):
@@ -210,7 +76,7 @@ class MetricsLogger:
         """All records logged so far (on any process; empty if the file does not exist yet)."""
         return read_metrics(self.path)
 
-
+# %% ../notebooks/06_accelerate_fundamentals.ipynb #c4bf9cbb
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     """Read a JSON-lines metrics file into a list of dicts (empty list if it does not exist)."""
     path = Path(path)
@@ -220,7 +86,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 
 def format_metrics_table(rows: list[dict]) -> str:
-    """Rows of `metrics.jsonl` as a fixed-width text table (what the training script prints, 08)."""
+    """Rows of `metrics.jsonl` as a fixed-width text table (what the training script prints, 08a)."""
     head = f"{'epoch':>5} {'train_loss':>10} {'train_top1':>10} {'val_loss':>9} {'val_top1':>8} {'val_top5':>8} {'lr':>9} {'img/s':>8} (all processes)"
     lines = [head]
     for r in rows:
@@ -228,9 +94,31 @@ def format_metrics_table(rows: list[dict]) -> str:
                      f"{r['val_top1']:>7.2f}% {r['val_top5']:>7.2f}% {r['lr']:>9.3g} {r['images_per_sec']:>8.1f}")
     return "\n".join(lines)
 
+
+def _to_jsonable(value: Any) -> Any:
+    """Turn tensors, NumPy scalars and paths into plain JSON values."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(f"MetricsLogger logs scalars; got a tensor of shape {tuple(value.shape)}. "
+                            "Reduce it (e.g. .mean()) or convert it with .tolist() first.")
+        return value.item()
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_jsonable(v) for v in value]
+    return value
+
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #f813dc8a
 class LaunchError(UserError):
     """A launch that cannot do what was asked (processes that are not connected, fp16 on a CPU)."""
+
+
+class MissingPathError(UserError, FileNotFoundError):
+    """A path given on the command line (data, checkpoint) that does not exist or is not what it should be."""
 
 
 def overlapping_copies(cpu: bool = False) -> bool:
@@ -240,12 +128,28 @@ def overlapping_copies(cpu: bool = False) -> bool:
     return torch.cuda.is_available() and not cpu
 
 
+def _refuse_what_cannot_work(accelerator, asked_cpu: bool) -> None:
+    """`build_accelerator`'s checks of the `Accelerator` it built: fp16 on a CPU and launched processes that are not
+    connected are refused; a CPU run that did not ask for the CPU is said."""
+    if accelerator.device.type == "cpu" and accelerator.mixed_precision == "fp16":
+        raise LaunchError("--mixed_precision fp16 needs a GPU: on a CPU Accelerate has no fp16 autocast and would "
+                          "silently train in fp32; use --mixed_precision bf16 or no")
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > accelerator.num_processes:  # e.g. `accelerate launch --multi_gpu` on a CPU box without --cpu
+        raise LaunchError(f"{launched} processes were launched but they are not connected (each sees "
+                          f"{accelerator.num_processes}); on a machine without GPUs pass --cpu to the script")
+    if accelerator.device.type == "cpu" and not asked_cpu:  # a GPU config, or nothing said, on a machine without one
+        precision = "" if accelerator.mixed_precision == "no" else f" in {accelerator.mixed_precision}"
+        accelerator.print(f"note: no GPU found: training on the CPU{precision}, many times slower than on a GPU; "
+                          "pass --cpu to say that this is what you want", flush=True)
+
+# %% ../notebooks/06_accelerate_fundamentals.ipynb #0581ab50
 def build_accelerator(cpu: bool = False, mixed_precision: str | None = None, gradient_accumulation_steps: int = 1,
                       log_with: list[str] | None = None, project_dir: str | os.PathLike | None = None):
-    """The `Accelerator` of a training run (08, and 10's benchmark of its step).
+    """The `Accelerator` of a training run (08a, and 10's benchmark of its step).
 
     Forgets a previous `Accelerator` of this process first (several runs in one notebook). Steps the
-    scheduler only when told (`step_scheduler_with_optimizer=False`, 05/08), copies batches to the GPU
+    scheduler only when told (`step_scheduler_with_optimizer=False`, 05/08a), copies batches to the GPU
     without waiting. Says at start what would otherwise happen silently: it refuses fp16 on a CPU
     (Accelerate would run fp32), `accelerate launch --cpu --num_processes 2` (one process, not 2) and
     launched processes that did not join one group, and notes a CPU run that did not ask for the CPU."""
@@ -269,17 +173,7 @@ def build_accelerator(cpu: bool = False, mixed_precision: str | None = None, gra
         # a blocking copy would wait for the whole previous step: the GPU would idle while Python fetches the batch
         dataloader_config=DataLoaderConfiguration(non_blocking=overlapping_copies(cpu)),
     )
-    if accelerator.device.type == "cpu" and accelerator.mixed_precision == "fp16":
-        raise LaunchError("--mixed_precision fp16 needs a GPU: on a CPU Accelerate has no fp16 autocast and would "
-                          "silently train in fp32; use --mixed_precision bf16 or no")
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched > accelerator.num_processes:  # e.g. `accelerate launch --multi_gpu` on a CPU box without --cpu
-        raise LaunchError(f"{launched} processes were launched but they are not connected (each sees "
-                          f"{accelerator.num_processes}); on a machine without GPUs pass --cpu to the script")
-    if accelerator.device.type == "cpu" and not asked_cpu:  # a GPU config, or nothing said, on a machine without one
-        precision = "" if accelerator.mixed_precision == "no" else f" in {accelerator.mixed_precision}"
-        accelerator.print(f"note: no GPU found: training on the CPU{precision}, many times slower than on a GPU; "
-                          "pass --cpu to say that this is what you want", flush=True)
+    _refuse_what_cannot_work(accelerator, asked_cpu)
     return accelerator
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #85562c80
@@ -317,66 +211,71 @@ def _classification_sums_metric() -> type:
 
     return ClassificationSums
 
+# %% ../notebooks/06_accelerate_fundamentals.ipynb #a4579dee
+def _checked_batch(logits: torch.Tensor, labels: torch.Tensor, loss, num_classes: int, device: torch.device) -> tuple:
+    """`ClassificationMetrics.update`'s batch, checked, on `device`: a per-sample loss stays one, a scalar (the batch
+    mean) becomes the batch's sum, None becomes NaN."""
+    if logits.ndim != 2 or logits.shape[1] != num_classes:
+        raise ValueError(f"logits must have shape (batch, {num_classes}), got {tuple(logits.shape)}")
+    if labels.shape != logits.shape[:1]:
+        raise ValueError(f"labels must have shape ({logits.shape[0]},), got {tuple(labels.shape)}")
+    logits = logits.detach().float().to(device)
+    labels = labels.detach().to(device)
+    n = labels.shape[0]
+    if loss is None:
+        loss = torch.tensor(float("nan"))
+    loss = torch.as_tensor(loss).detach()
+    if loss.ndim == 0:
+        loss = loss * n
+    elif loss.shape != labels.shape:
+        raise ValueError(f"loss must be a scalar (batch mean) or have shape ({n},), got {tuple(loss.shape)}")
+    return logits, labels, loss
 
+
+def gather_batch(accelerator, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor | None = None) -> tuple:
+    """(logits, labels, per-sample loss) of this batch on every process, gathered with `gather_for_metrics` (the
+    padding dropped). A scalar `loss` is spread over this process's samples; samples labelled `IGNORE_LABEL` (-100,
+    PyTorch's `ignore_index`: a skipped unreadable image, 07) are left out."""
+    n = labels.shape[0]
+    if loss is None:
+        loss = torch.full((n,), float("nan"), device=logits.device)
+    loss = torch.as_tensor(loss, device=logits.device).detach().float()
+    if loss.ndim == 0:
+        loss = loss.expand(n).contiguous()
+    logits, labels, loss = accelerator.gather_for_metrics((logits.detach(), labels, loss))
+    keep = labels != IGNORE_LABEL  # an image the loader could not read and skipped (07): not counted
+    if not keep.all():
+        logits, labels, loss = logits[keep], labels[keep], loss[keep]
+    return logits, labels, loss
+
+# %% ../notebooks/06_accelerate_fundamentals.ipynb #9b0f32c6
 class ClassificationMetrics:
-    """Loss, top-1 and top-5 accuracy (in %) and the sample count of an epoch, exact across processes.
+    """Loss, top-1 and top-5 accuracy (in %) and the sample count of an epoch, exact across processes (06).
 
-    Taught in 06. By default (`sync_on_compute=False`) call `update` with tensors gathered by
-    `accelerator.gather_for_metrics` (or use `gather_update`), so every process sees every sample
-    once. With `sync_on_compute=True` update with local tensors and torchmetrics sums the states at
-    `compute` (exact only when no process gets padded duplicates, e.g. `even_batches=False`)."""
+    By default update with tensors gathered by `gather_for_metrics` (or use `gather_update`). With
+    `sync_on_compute=True` update with local tensors and torchmetrics sums the states at `compute`
+    (exact only when no process gets padded duplicates, e.g. `even_batches=False`)."""
 
     def __init__(self, num_classes: int, device: torch.device | str = "cpu", sync_on_compute: bool = False):
         if int(num_classes) != num_classes or num_classes < 2:
             raise ValueError(f"num_classes must be an integer >= 2, got {num_classes!r}")
-        self.num_classes = int(num_classes)
-        self.device = torch.device(device)
+        self.num_classes, self.device = int(num_classes), torch.device(device)
         self.top_k = min(5, self.num_classes)
         loss_dtype = torch.float32 if self.device.type == "mps" else torch.float64   # MPS has no float64
         self.sums = _classification_sums_metric()(self.top_k, loss_dtype, sync_on_compute=sync_on_compute).to(self.device)
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor | float | None = None) -> None:
-        """Add a batch: `logits` (B, C), `labels` (B,), `loss` per sample (B,) or the batch mean.
-
-        A per-sample loss (`reduction="none"`) is exact; a scalar counts as the mean of these B samples."""
-        if logits.ndim != 2 or logits.shape[1] != self.num_classes:
-            raise ValueError(f"logits must have shape (batch, {self.num_classes}), got {tuple(logits.shape)}")
-        if labels.shape != logits.shape[:1]:
-            raise ValueError(f"labels must have shape ({logits.shape[0]},), got {tuple(labels.shape)}")
-        logits = logits.detach().float().to(self.device)
-        labels = labels.detach().to(self.device)
-        n = labels.shape[0]
-        if loss is None:
-            loss = torch.tensor(float("nan"))
-        loss = torch.as_tensor(loss).detach()
-        if loss.ndim == 0:
-            loss = loss * n
-        elif loss.shape != labels.shape:
-            raise ValueError(f"loss must be a scalar (batch mean) or have shape ({n},), got {tuple(loss.shape)}")
-        self.sums.update(logits, labels, loss)
+        """Add a batch: `logits` (B, C), `labels` (B,), `loss` per sample (B,), exact, or the batch mean."""
+        self.sums.update(*_checked_batch(logits, labels, loss, self.num_classes, self.device))
 
     def gather_update(self, accelerator, logits: torch.Tensor, labels: torch.Tensor,
                       loss: torch.Tensor | None = None) -> None:
-        """Gather this batch from all processes with `gather_for_metrics` (padding dropped), then `update`.
-
-        Call it inside the loop over the prepared dataloader, on every process. Pass the per-sample
-        loss (`reduction="none"`) for an exact mean; a scalar is spread over this process's samples.
-        Needs accelerate's default `even_batches=True` (equal batches on every process). Samples labelled
-        `IGNORE_LABEL` (-100, PyTorch's `ignore_index`: a skipped unreadable image, 07) are not counted."""
+        """`gather_batch`, then `update`: call it on every process, in the loop over the prepared dataloader."""
         if not getattr(accelerator, "even_batches", True):
             raise ValueError("gather_update needs equally sized batches on every process (accelerate's default "
                              "even_batches=True). With even_batches=False use ClassificationMetrics(..., "
                              "sync_on_compute=True) and call update() with this process's own batches.")
-        n = labels.shape[0]
-        if loss is None:
-            loss = torch.full((n,), float("nan"), device=logits.device)
-        loss = torch.as_tensor(loss, device=logits.device).detach().float()
-        if loss.ndim == 0:
-            loss = loss.expand(n).contiguous()
-        logits, labels, loss = accelerator.gather_for_metrics((logits.detach(), labels, loss))
-        keep = labels != IGNORE_LABEL  # an image the loader could not read and skipped (07): not counted
-        if not keep.all():
-            logits, labels, loss = logits[keep], labels[keep], loss[keep]
+        logits, labels, loss = gather_batch(accelerator, logits, labels, loss)
         if labels.numel():
             self.update(logits, labels, loss)
 
@@ -384,1068 +283,28 @@ class ClassificationMetrics:
         """`{"loss", "top1", "top5", "count"}`: mean loss, accuracies in %, samples seen (int)."""
         with warnings.catch_warnings():   # an empty epoch is reported as NaN, not warned about
             warnings.filterwarnings("ignore", message=".*compute.*called before.*update", category=UserWarning)
-            state = self.sums.compute()
-        count = int(state["count"])
-        if count == 0:
-            return {"loss": float("nan"), "top1": float("nan"), "top5": float("nan"), "count": 0}
-        return {"loss": float(state["loss_sum"]) / count, "top1": 100.0 * int(state["correct1"]) / count,
-                "top5": 100.0 * int(state["correctk"]) / count, "count": count}
+            return _rates(self.sums.compute())
 
     def reset(self) -> None:
         """Forget all batches (call at the start of each epoch)."""
         self.sums.reset()
 
+# %% ../notebooks/06_accelerate_fundamentals.ipynb #31712039
+def _rates(state: dict) -> dict:
+    """Mean loss, accuracies in % and the sample count from the summed state; NaN for an empty epoch."""
+    count = int(state["count"])
+    if count == 0:
+        return {"loss": float("nan"), "top1": float("nan"), "top5": float("nan"), "count": 0}
+    return {"loss": float(state["loss_sum"]) / count, "top1": 100.0 * int(state["correct1"]) / count,
+            "top5": 100.0 * int(state["correctk"]) / count, "count": count}
+
 
 def merge_metrics(a: dict, b: dict) -> dict:
     """Combine two `ClassificationMetrics.compute()` results of disjoint samples, weighted by count
-    (the two parts of an epoch interrupted by a checkpoint, 08)."""
+    (the two parts of an epoch interrupted by a checkpoint, 08a)."""
     if not a or not a.get("count"):
         return dict(b)
     if not b or not b.get("count"):
         return dict(a)
     n = a["count"] + b["count"]
     return {**{k: (a[k] * a["count"] + b[k] * b["count"]) / n for k in ("loss", "top1", "top5")}, "count": n}
-
-# %% ../notebooks/06_accelerate_fundamentals.ipynb #ff4a7d63
-class MissingPathError(UserError, FileNotFoundError):
-    """A path given on the command line (data, checkpoint) that does not exist or is not what it should be."""
-
-
-class CheckpointError(UserError, ValueError):
-    """A checkpoint that is incomplete, corrupt, unsafe to load, or written by another model or run."""
-
-
-class RunFolderError(UserError):
-    """A run folder that holds another run, that another run is using right now, or whose `config.json` is damaged."""
-
-
-CHECKPOINT_FORMAT = "tutorial-train-checkpoint/1"
-MANIFEST = "checkpoint.json"        # written last: a folder without it is not a checkpoint
-PROGRESS_FILE = "train_state.json"  # where the run is (epoch, step...) as JSON: nothing of ours needs unpickling
-
-
-def checkpoint_root(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def _is_step_folder(p: Path) -> bool:
-    return p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit()
-
-
-def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints of a run, oldest first: `step_*` folders with their manifest."""
-    root = checkpoint_root(run_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if _is_step_folder(p) and (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda p: int(p.name[5:]))
-
-
-def incomplete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """Leftovers of interrupted saves (`.tmp-*`, `.old-*`, `.trash-*`, `step_*` without manifest): never loaded."""
-    root = checkpoint_root(run_dir)
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and (p.name.startswith((".tmp-", ".old-", ".trash-"))
-                                                              or (_is_step_folder(p) and not (p / MANIFEST).is_file())))
-
-
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint of a run, or None."""
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
-
-
-def fsync_path(path: str | os.PathLike) -> None:
-    """Flush a file or a folder entry to the disk (what makes a rename durable after a power cut)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to a temporary file, flush it, rename it over `path`: readers see old or new, never half."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    """SHA-256 of a file's bytes, read in 1 MiB blocks (checkpoint manifests, 11's stress test)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def model_signature(model: torch.nn.Module) -> str:
-    """A short hash of the parameter and buffer names and shapes: tells checkpoints of other models apart."""
-    text = ";".join(f"{k}:{tuple(v.shape)}" for k, v in sorted(model.state_dict().items()))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-# %% ../notebooks/06_accelerate_fundamentals.ipynb #23c48d90
-class DiskFullError(UserError):
-    """A checkpoint or the final model did not fit on the disk; the previous checkpoint is intact."""
-
-
-def _no_space(err: BaseException | None) -> bool:
-    """Whether `err` (or an error it was raised from) is "no space left on device", as the OS or C++ reports it."""
-    while err is not None:
-        if getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err) or "iostream error" in str(err):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
-
-
-def format_bytes(n: float) -> str:
-    """A size in the unit that reads best, 1 KB = 1024 bytes: 233472 -> "228 KB", 5.2e9 -> "4.84 GB", 0 -> "0 bytes"."""
-    units, i = ("bytes", "KB", "MB", "GB", "TB"), 0
-    while n >= 1024 and i < len(units) - 1:
-        n, i = n / 1024, i + 1
-    return f"{n:.0f} {units[i]}" if i == 0 or n >= 1000 else f"{n:.3g} {units[i]}"
-
-
-def _disk_full_message(run_dir: Path, what: str, need: int | None = None) -> str:
-    """The one line of a save that found the disk full: `need`, what it needs (an estimate), else the size of the
-    run's last checkpoint."""
-    previous = latest_checkpoint(run_dir)
-    if need is None and previous is not None:
-        need = sum(f.stat().st_size for f in previous.iterdir())
-    free = shutil.disk_usage(run_dir).free
-    where = f"from {previous.name}, which is intact" if previous else "from the start: no checkpoint was saved yet"
-    needs = f"it needs about {format_bytes(need)}, " if need else ""
-    return (f"no space left on the disk of {run_dir} while saving {what}: {needs}{format_bytes(free)} are free; free "
-            f"some space, then resume with --resume_from_checkpoint latest ({where})")
-
-
-def check_free_space(run_dir: str | os.PathLike, need: int, accelerator=None) -> None:
-    """Refuse (`DiskFullError`) a run whose disk cannot hold one more checkpoint of about `need` bytes: at start,
-    not at the first save an epoch later. With an `accelerator` the main process decides for every process."""
-    if accelerator is not None:
-        from accelerate.utils import broadcast_object_list
-
-        refusal = None
-        if accelerator.is_main_process:
-            try:
-                check_free_space(run_dir, need)
-            except DiskFullError as err:
-                refusal = str(err)
-        refusal = broadcast_object_list([refusal])[0]
-        if refusal:
-            raise DiskFullError(refusal)
-        return
-    free = shutil.disk_usage(run_dir).free
-    if free < need:
-        raise DiskFullError(f"not enough space on the disk of {run_dir} for a checkpoint: one needs about "
-                            f"{format_bytes(need)}, {format_bytes(free)} are free; free some space or choose another "
-                            "--working_directory")
-
-
-def follow_umask(path: str | os.PathLike) -> None:
-    """Give a file the mode the user's umask asks for: safetensors writes 0600 whatever it says, and others
-    on a shared cluster could not read the weights."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-# %% ../notebooks/06_accelerate_fundamentals.ipynb #94b74159
-def save_checkpoint(accelerator, run_dir: str | os.PathLike, step: int, progress: dict, keep_last: int,
-                    meta: dict | None = None, size_hint: int | None = None) -> Path:
-    """Save the full training state into `checkpoints/step_<step>` atomically; keep the last `keep_last`.
-
-    `accelerator.save_state` writes model, optimizer, scheduler and every process's RNG into
-    `.tmp-step_*`; `progress` (where the run is) goes to `train_state.json`; every file is flushed to
-    disk; the manifest (`checkpoint.json`: size and SHA-256 of every file, plus `meta`) is written
-    last; then the folder is renamed. A kill at any moment leaves either the complete folder or a
-    leftover that `latest` ignores; a full disk raises `DiskFullError` on every process (its message says
-    `size_hint`, the estimated size of a checkpoint, when there is no earlier one to measure). Call it on
-    every process."""
-    root = checkpoint_root(run_dir)
-    final, failure = root / f"step_{step:09d}", None
-    tmp = root / f".tmp-{final.name}"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    try:
-        accelerator.save_state(str(tmp))  # model (safetensors), optimizer, scheduler, RNG of every process
-    except Exception as err:  # e.g. a full disk, as the OS, torch's C++ writer or safetensors reports it
-        failure = err  # every process learns whether any failed (below); anything but a full disk is raised again
-    _stop_if_any_failed(accelerator, failure, tmp, run_dir, f"the checkpoint of step {step}", size_hint)  # all wrote their RNG
-    if accelerator.is_main_process:
-        try:
-            _commit_checkpoint(tmp, final, step, progress, meta)
-            for old in list_checkpoints(run_dir)[:-keep_last]:
-                old.rename(root / f".trash-{old.name}")  # out of `list_checkpoints` at once, then deleted
-            for leftover in incomplete_checkpoints(run_dir):  # one run per folder: no other save is in progress
-                if not _is_step_folder(leftover):  # a step_* folder without manifest is only warned about
-                    shutil.rmtree(leftover, ignore_errors=True)
-        except OSError as err:
-            failure = err
-    _stop_if_any_failed(accelerator, failure, tmp, run_dir, f"the checkpoint of step {step}", size_hint)
-    return final
-
-
-def _commit_checkpoint(tmp: Path, final: Path, step: int, progress: dict, meta: dict | None) -> None:
-    """Main process: progress file, fsync of every file, the manifest last, then the rename that commits."""
-    (tmp / PROGRESS_FILE).write_text(json.dumps(progress))
-    files = {}
-    for f in sorted(tmp.iterdir()):
-        follow_umask(f)
-        fsync_path(f)
-        files[f.name] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
-    manifest = {"format": CHECKPOINT_FORMAT, "step": step, **(meta or {}), "files": files}
-    atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
-    fsync_path(tmp)
-    if final.exists():  # an epoch-end checkpoint replaces a mid-epoch one of the same step
-        final.rename(final.with_name(f".old-{final.name}"))
-    tmp.rename(final)  # the commit point: atomic on POSIX file systems
-    fsync_path(final.parent)
-
-
-def _stop_if_any_failed(accelerator, failure: BaseException | None, tmp: Path, run_dir: str | os.PathLike,
-                        what: str, need: int | None = None) -> None:
-    """The same decision on every process: if any failed to save, all stop (`DiskFullError` for a full disk)."""
-    flags = torch.tensor([float(failure is not None), float(_no_space(failure))], device=accelerator.device)
-    failed, full = (accelerator.reduce(flags, "sum") > 0).tolist()
-    if not failed:
-        return
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)  # the half-written folder; the previous checkpoint is untouched
-    if full:
-        raise DiskFullError(_disk_full_message(Path(run_dir), what, need)) from None
-    if failure is not None:
-        raise failure
-    raise RuntimeError(f"another process failed while saving {what}")
-
-
-def save_final_model(accelerator, model: torch.nn.Module, run_dir: str | os.PathLike) -> Path:
-    """`<run>/model.safetensors`, the weights only (unwrapped), moved into place whole: a kill never leaves half
-    a file, a full disk stops with one line. Call it on every process."""
-    run_dir, failure = Path(run_dir), None
-    tmp = run_dir / ".tmp-final"
-    weights = sum(t.numel() * t.element_size() for t in accelerator.unwrap_model(model).state_dict().values())
-    accelerator.wait_for_everyone()
-    try:
-        accelerator.save_model(model, tmp)
-    except Exception as err:  # safetensors reports a full disk as a SafetensorError
-        failure = err
-    _stop_if_any_failed(accelerator, failure, tmp, run_dir, "the final model", weights)
-    if accelerator.is_main_process:
-        for f in tmp.iterdir():
-            follow_umask(f)
-            fsync_path(f)
-            os.replace(f, run_dir / f.name)
-        shutil.rmtree(tmp)
-    accelerator.wait_for_everyone()
-    return run_dir / "model.safetensors"
-
-# %% ../notebooks/06_accelerate_fundamentals.ipynb #2b50c8bf
-def _load_plain(path: Path):
-    """`torch.load(weights_only=True)` with the NumPy types accelerate's RNG files need allowed. torch's warnings about
-    the file (an unusual pickle protocol, say) are not printed: a file it refuses is named in the one error line."""
-    from accelerate.utils import load
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return load(path, map_location="cpu", weights_only=True)
-
-
-def _check_files(path: Path, manifest: dict, flag: str) -> None:
-    """Every file the manifest lists is there, unaltered, and nothing else is; pickles hold plain data only."""
-    files = manifest.get("files", {})
-    extra = sorted({p.name for p in path.iterdir()} - {MANIFEST} - set(files))
-    if extra:
-        raise CheckpointError(f"{flag}: unexpected file {extra[0]} (not written by this script); refusing to load it")
-    for name, info in sorted(files.items()):
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"{flag}: {name} is missing; resume from an older checkpoint")
-        if f.stat().st_size != info["bytes"] or sha256_file(f) != info["sha256"]:
-            raise CheckpointError(f"{flag}: {name} is corrupt (its size or SHA-256 differs from {MANIFEST}); "
-                                  "resume from an older checkpoint")
-    for name in sorted(n for n in files if n.endswith((".bin", ".pkl", ".pt", ".pth"))):
-        try:
-            _load_plain(path / name)
-        except Exception as err:  # UnpicklingError and friends: anything but plain tensors and numbers
-            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
-            what = f"it refers to {found.group(1)}" if found else type(err).__name__
-            raise CheckpointError(f"{flag}: {name} holds more than tensors and numbers ({what}); "
-                                  "torch.load(weights_only=True) refused it and nothing was run: only resume "
-                                  "from checkpoints you wrote") from None
-
-
-def verify_checkpoint(path: str | os.PathLike, expect: dict | None = None) -> dict:
-    """Check a checkpoint before anything of it is loaded; return its manifest.
-
-    Refuses (with the reason) a folder without manifest, missing, extra or altered files, pickles
-    that `weights_only=True` rejects (they could run code), and a checkpoint whose `expect`ed keys
-    (model, num_classes, model_signature) differ from this run's. Taught in 06; attacked in 11."""
-    path = Path(path)
-    flag = f"--resume_from_checkpoint {path}"
-    if not path.is_dir():
-        raise MissingPathError(f"{flag} does not exist; pass a folder like <run>/checkpoints/step_000000100 or 'latest'")
-    if not (path / MANIFEST).is_file():
-        raise MissingPathError(f"{flag} is not a complete checkpoint of this script (no {MANIFEST}: an interrupted "
-                               "save or another program's folder); pass a step_* folder or 'latest'")
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (ValueError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{flag}: {MANIFEST} is unreadable ({err}); resume from an older checkpoint") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{flag}: {MANIFEST} is not a {CHECKPOINT_FORMAT} manifest")
-    _check_files(path, manifest, flag)
-    if any(manifest.get(k) != v for k, v in (expect or {}).items()):
-        def show(d: dict) -> str:
-            return f"{d.get('model')}, {d.get('num_classes')} classes, signature {d.get('model_signature')}"
-        raise CheckpointError(f"{flag} belongs to another model ({show(manifest)}; this run: {show(expect)}); resume "
-                              "with the same --model and data, or start a new --experiment_name")
-    return manifest
-
-
-def _check_model_tensors(path: Path, model: torch.nn.Module, flag: str) -> None:
-    """Every tensor of `model.safetensors` is one of `model`'s, with its shape (read from the file's header only)."""
-    from safetensors import safe_open
-
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    try:
-        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-            saved = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-    except Exception as err:  # a header safetensors cannot parse
-        raise CheckpointError(f"{flag}: model.safetensors is unreadable ({err}); resume from another checkpoint") from None
-    for name, shape in sorted(saved.items()):
-        if shapes.get(name) != shape:
-            this = f"this model's is {list(shapes[name])}" if name in shapes else "this model has no such tensor"
-            raise CheckpointError(f"{flag}: model.safetensors holds {name} of shape {list(shape)}, {this}; it was not "
-                                  "written by this script for this model: resume from a checkpoint of this run")
-
-
-def _check_optimizer_state(path: Path, optimizer, flag: str) -> None:
-    """`optimizer.bin` has `optimizer`'s parameter groups and, for every parameter, state tensors of its shape
-    (a momentum buffer of another shape would only fail at the first step, in a traceback)."""
-    saved, groups = _load_plain(path / "optimizer.bin"), optimizer.param_groups
-    saved_groups = saved.get("param_groups") if isinstance(saved, dict) else None
-    sizes = [len(g["params"]) for g in groups]
-    if not isinstance(saved_groups, list) or [len(g.get("params", [])) for g in saved_groups] != sizes:
-        found = [len(g.get("params", [])) for g in saved_groups] if isinstance(saved_groups, list) else "none"
-        raise CheckpointError(f"{flag}: optimizer.bin has parameter groups of {found} parameters, this run's optimizer "
-                              f"{sizes}; it was not written by this script for this model: resume from a checkpoint "
-                              "of this run")
-    state = saved.get("state", {})
-    for saved_group, group in zip(saved_groups, groups):
-        for index, param in zip(saved_group["params"], group["params"]):
-            for name, value in (state.get(index) or {}).items():
-                if isinstance(value, torch.Tensor) and value.dim() and value.shape != param.shape:
-                    raise CheckpointError(f"{flag}: optimizer.bin holds a {name} of shape {list(value.shape)} for a "
-                                          f"parameter of shape {list(param.shape)}; it was not written by this script "
-                                          "for this model: resume from a checkpoint of this run")
-
-
-def load_checkpoint(accelerator, path: str | os.PathLike, expect: dict | None = None, model=None,
-                    optimizer=None) -> tuple[dict, dict]:
-    """Verify, then restore weights, optimizer, scheduler and RNG states; return (manifest, progress).
-
-    With `model` (unwrapped) and `optimizer`, their tensors' names and shapes are checked first: a crafted checkpoint
-    whose manifest matches but whose contents do not is refused in one line (`CheckpointError`), like any other
-    load error below."""
-    manifest = verify_checkpoint(path, expect)
-    path, flag = Path(path), f"--resume_from_checkpoint {path}"
-    try:
-        progress = json.loads((path / PROGRESS_FILE).read_text())
-    except (ValueError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{flag}: {PROGRESS_FILE} is unreadable ({err}); resume from another checkpoint") from None
-    if model is not None and (path / "model.safetensors").is_file():
-        _check_model_tensors(path, model, flag)
-    if optimizer is not None and (path / "optimizer.bin").is_file():
-        _check_optimizer_state(path, optimizer, flag)
-    try:
-        accelerator.load_state(str(path))  # safetensors model; other files torch.load(weights_only=True)
-    except (RuntimeError, ValueError, KeyError, IndexError, TypeError) as err:  # what the checks above cannot foresee
-        raise CheckpointError(f"{flag} does not fit this run ({' '.join(str(err).split())[:300]}); resume from a "
-                              "checkpoint of this run") from None
-    return manifest, progress
-
-
-def resolve_resume_path(resume: str | None, run_dir: str | os.PathLike, warn=print,
-                        run_id: str | None = None) -> Path | None:
-    """`--resume_from_checkpoint`: a checkpoint folder, or `latest` (None if the run has none yet).
-
-    `latest` only ever picks a complete checkpoint of the run `run_id` (when given): leftovers of an
-    interrupted save and checkpoints of other runs are named in a warning and ignored."""
-    if not resume:
-        return None
-    if resume == "latest":
-        for leftover in incomplete_checkpoints(run_dir):
-            warn(f"warning: ignoring incomplete checkpoint {leftover} (left by an interrupted save)")
-        found = list_checkpoints(run_dir)
-        if run_id is not None:
-            foreign = [p for p in found if _manifest_run_id(p) not in (run_id, None)]
-            for p in foreign:
-                warn(f"warning: ignoring checkpoint {p}: it belongs to run {_manifest_run_id(p)}, not to {run_id}")
-            found = [p for p in found if p not in foreign]
-        return found[-1] if found else None
-    path = Path(resume)
-    if not path.is_dir():
-        raise MissingPathError(f"--resume_from_checkpoint {resume} does not exist; pass a folder like "
-                               f"{checkpoint_root(run_dir)}/step_000000100, or 'latest'")
-    if not (path / MANIFEST).is_file():
-        raise MissingPathError(f"--resume_from_checkpoint {resume} is not a complete checkpoint of this script "
-                               f"(no {MANIFEST}); pass a folder like {checkpoint_root(run_dir)}/step_000000100, or 'latest'")
-    return path
-
-
-def _manifest_run_id(checkpoint: Path) -> str | None:
-    try:
-        return json.loads((checkpoint / MANIFEST).read_text()).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-# %% ../notebooks/06_accelerate_fundamentals.ipynb #65f2def9
-@dataclasses.dataclass
-class TrainState:
-    """Where a run is, saved as `train_state.json` in every checkpoint next to model and optimizer."""
-
-    epoch: int = 0                 # epoch being trained (the next one after an epoch-end checkpoint)
-    batches_done: int = 0          # micro-batches of `epoch` already consumed by each process
-    global_step: int = 0           # optimizer steps since the start of the run; W&B's step
-    wandb_run_id: str = ""         # the run's id: in every manifest, config.json and W&B
-    partial_train: dict = dataclasses.field(default_factory=dict)  # train metrics of `epoch` before a mid-epoch save
-    nonfinite_skipped: int = 0     # optimizer steps skipped for a NaN/Inf loss (--on_nonfinite_loss skip)
-    nonfinite_in_a_row: int = 0    # ... of them in a row, up to the last step
-    layout: list = dataclasses.field(default_factory=list)  # [processes, batch_size, accumulation] of batches_done
-    skipped_files: int = 0         # unreadable images skipped (--on_bad_file skip), counted each time met
-    bad_files: list = dataclasses.field(default_factory=list)  # ... and their names, each once
-
-    def state_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what `state_dict` saved; other keys, or values of another type, raise `ValueError` (a crafted file)."""
-        kinds = {f.name: type(getattr(TrainState(), f.name)) for f in dataclasses.fields(self)}
-        if not isinstance(state, dict) or set(state) != set(kinds):
-            keys = set(state) if isinstance(state, dict) else set()
-            raise ValueError(f"missing {sorted(set(kinds) - keys)}, unexpected {sorted(keys - set(kinds))}")
-        for key, value in state.items():
-            if not isinstance(value, kinds[key]) or isinstance(value, bool) or (kinds[key] is int and value < 0):
-                raise ValueError(f"{key} is {value!r}, expected a{'' if kinds[key] is int else ' ' + kinds[key].__name__} "
-                                 f"{'non-negative integer' if kinds[key] is int else ''}".rstrip())
-        for key, value in state.items():
-            setattr(self, key, value)
-
-
-def folder_run_id(run_dir: str | os.PathLike) -> str | None:
-    """The id of the run `run_dir` belongs to: its `config.json`'s, else the one run its checkpoints name (None for a
-    folder with neither). A damaged `config.json`, or no `config.json` and checkpoints of several runs, raise
-    `RunFolderError`: `latest` must not guess which run is the folder's own."""
-    config = Path(run_dir) / "config.json"
-    if config.exists():
-        try:
-            run_id = json.loads(config.read_text()).get("run_id")
-            problem = None if isinstance(run_id, str) and run_id else "it names no run_id"
-        except ValueError as err:  # JSONDecodeError (a file cut short, not JSON) and UnicodeDecodeError
-            problem = f"not JSON: {err}" if isinstance(err, json.JSONDecodeError) else "not text"
-        except (AttributeError, OSError) as err:  # JSON but not an object; unreadable
-            problem = "not a JSON object" if isinstance(err, AttributeError) else str(err)
-        if problem:
-            raise RunFolderError(f"{config} is damaged ({problem}); the checkpoints are still usable: move the file "
-                                 f"aside (e.g. to {config.name}.damaged) and run the same command again, which reads "
-                                 "the run's id from its checkpoints")
-        return run_id
-    ids = sorted({_manifest_run_id(p) for p in list_checkpoints(run_dir)} - {None})
-    if len(ids) > 1:
-        raise RunFolderError(f"{run_dir} has no config.json to say which run it belongs to, and its checkpoints belong "
-                             f"to {len(ids)} runs ({', '.join(ids)}): move the other runs' checkpoints out of "
-                             f"{checkpoint_root(run_dir)}, or resume one of them into a new folder with "
-                             "--resume_from_checkpoint <its folder> --experiment_name <a new name>")
-    return ids[0] if ids else None
-
-
-def resume_state(accelerator, resume: str | None, run_dir: str | os.PathLike, state: TrainState, expect: dict,
-                 layout: list, model=None, optimizer=None) -> Path | None:
-    """`--resume_from_checkpoint` (a folder or `latest`): restore the checkpoint into the prepared objects and
-    `state`; None when there is none. Refuses another model's (`expect`; tensor shapes too, given the unwrapped
-    `model` and the `optimizer`), a `train_state.json` with other keys, and a mid-epoch one saved with another
-    `layout`. Every process calls it; a fresh run gets its id here."""
-    from accelerate.utils import broadcast_object_list
-
-    folder_run = folder_run_id(run_dir)  # the run this folder belongs to: `latest` resumes only it
-    warn = lambda msg: accelerator.print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    path = resolve_resume_path(resume, run_dir, warn=warn, run_id=folder_run)
-    if path is not None:
-        _, progress = load_checkpoint(accelerator, path, expect, model, optimizer)  # verified first
-        try:
-            state.load_state_dict(progress)
-        except ValueError as err:
-            raise CheckpointError(f"--resume_from_checkpoint {path}: {PROGRESS_FILE} is not this script's ({err}); "
-                                  "resume from a checkpoint of this run") from None
-        if state.batches_done and state.layout and list(state.layout) != list(layout):
-            raise CheckpointError(f"{path} was saved mid-epoch with (processes, --batch_size, "
-                                  f"--gradient_accumulation_steps) = {tuple(state.layout)}, not {tuple(layout)}: resume "
-                                  "with the same set-up, or from an epoch-end checkpoint")
-        accelerator.print(f"resumed from {path}: epoch {state.epoch}, {state.batches_done} batches into it, "
-                          f"optimizer step {state.global_step}", flush=True)
-    elif resume == "latest":
-        accelerator.print(f"no checkpoint in {checkpoint_root(run_dir)} yet: starting from scratch", flush=True)
-    if not state.wandb_run_id:
-        state.wandb_run_id = broadcast_object_list([uuid.uuid4().hex[:8]])[0]  # one id for all processes
-    state.layout = list(layout)
-    return path
-
-# %% ../notebooks/06_accelerate_fundamentals.ipynb #f1cd8293
-RUN_LOCK = ".run.lock"
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "model.safetensors", "final_metrics.json")  # what makes a folder a run
-
-
-class RunLock:
-    """The main process's exclusive hold on a run folder: an OS lock (`flock`) on `<run>/.run.lock`.
-
-    The kernel releases it when the process ends, killed or not, so a dead run's lock file is simply
-    taken over; the file only says who holds it, for the error message of a second run."""
-
-    def __init__(self, run_dir: str | os.PathLike):
-        self.path, self.fd = Path(run_dir) / RUN_LOCK, None
-
-    def acquire(self) -> str:
-        """Take the lock or raise `RunFolderError`; returns who held it before, if anyone ("" if nobody)."""
-        import fcntl
-
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        before = os.read(fd, 500).decode(errors="replace").strip()
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise RunFolderError(f"{self.path.parent} is in use by another run ({before or 'unknown process'}): "
-                                 "wait for it to end, or give this run another --experiment_name") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-                  .encode(), 0)
-        self.fd = fd
-        return before
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing the file releases the lock
-            self.fd = None
-
-
-def run_outputs(run_dir: str | os.PathLike) -> list[str]:
-    """The outputs of a run already in `run_dir` (checkpoints, metrics, final weights); [] for a new folder."""
-    run_dir = Path(run_dir)
-    found = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
-    if "checkpoints" in found and not any((run_dir / "checkpoints").iterdir()):
-        found.remove("checkpoints")  # an empty checkpoints/ folder holds nothing
-    return found
-
-
-def check_writable(folder: str | os.PathLike, what: str) -> None:
-    """Create `folder` and write a file in it, now rather than after the first epoch; `what` names it in the one-line
-    `UserError` (e.g. "--working_directory runs")."""
-    try:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        probe = Path(folder) / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as err:
-        raise UserError(f"{what} is not writable ({err.strerror or err}); choose a folder you can write to") from None
-
-
-def claim_run_folder(run_dir: str | os.PathLike, fresh: bool, overwrite: bool = False, accelerator=None,
-                     resume_from: str | os.PathLike | None = None) -> RunLock | None:
-    """Lock `run_dir` for this run. A `fresh` run refuses a folder that holds another run, unless `overwrite`
-    moves that run aside first (`<name>.replaced-<time>`, nothing deleted); so does a resume of the checkpoint
-    `resume_from` (a path: it continues that checkpoint's run) into a folder holding another run. A resume reads the
-    folder's run id first (`folder_run_id`: a damaged `config.json` is refused). With an `accelerator`, the main
-    process claims and every process raises the same `RunFolderError` (the others get None)."""
-    if accelerator is not None:
-        from accelerate.utils import broadcast_object_list
-
-        lock, refusal = None, None
-        if accelerator.is_main_process:
-            try:
-                lock = claim_run_folder(run_dir, fresh, overwrite, resume_from=resume_from)
-            except RunFolderError as err:
-                refusal = str(err)
-        refusal = broadcast_object_list([refusal])[0]
-        if refusal:
-            raise RunFolderError(refusal)
-        return lock
-    run_dir = Path(run_dir)
-    lock = RunLock(run_dir)
-    lock.acquire()
-    existing = run_outputs(run_dir)
-    takes_folder = fresh or resume_from is not None  # a new run, or another run's checkpoint continued here
-    try:
-        if not fresh and not (overwrite and resume_from is not None):
-            own = folder_run_id(run_dir)  # raises for a damaged config.json, or checkpoints of several runs
-            takes_folder = resume_from is not None and own != _manifest_run_id(Path(resume_from))
-        if existing and takes_folder and not overwrite:
-            raise RunFolderError(f"{run_dir} already holds a run ({', '.join(existing)}): resume it with "
-                                 "--resume_from_checkpoint latest, give this run another --experiment_name, or pass "
-                                 "--overwrite to move the old run aside (nothing is deleted)")
-    except RunFolderError:
-        lock.release()
-        raise
-    if existing and takes_folder:  # --overwrite: the old run, lock file included, moves aside whole; this run starts a new folder
-        aside = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
-        run_dir.rename(aside)
-        new_lock = RunLock(run_dir)
-        new_lock.acquire()
-        lock.release()
-        print(f"moved the previous run in {run_dir} to {aside}", flush=True)
-        return new_lock
-    return lock
-
-
-def write_run_config(run_dir: str | os.PathLike, config: dict, step: int, watched: tuple[str, ...]) -> list[dict]:
-    """Write `<run>/config.json` atomically. When the same run (same `run_id`) is resumed, the `watched` settings
-    that changed are appended to its `changes`: `{"step", "flag", "from", "to"}`. Returns the changes."""
-    path = Path(run_dir) / "config.json"
-    try:
-        before = json.loads(path.read_text()) if path.is_file() else {}
-    except ValueError:  # damaged, in a folder no run had claimed (a resume refuses it, naming it, in `folder_run_id`)
-        before = {}
-    before = before if isinstance(before, dict) else {}
-    changes = []
-    if before.get("run_id") == config.get("run_id"):  # a resume of this run, not a new one
-        changes = before.get("changes", []) + [{"step": step, "flag": k, "from": before[k], "to": config[k]}
-                                               for k in watched if k in before and before[k] != config[k]]
-    atomic_write_text(path, json.dumps({**config, "changes": changes}, indent=2, default=str))
-    return changes
-
-# %% ../notebooks/06_accelerate_fundamentals.ipynb #76049e21
-def cut_metrics(path: str | os.PathLike, before_epoch: int, warn=None) -> dict:
-    """Keep the lines of `metrics.jsonl` for epochs before `before_epoch` (a resumed run trains the later ones
-    again); drop later lines and unreadable ones (a torn last line after a crash or a full disk). Rewritten
-    atomically; returns what was kept and dropped, and says it with `warn`. Call on the main process."""
-    path = Path(path)
-    kept, later, torn = [], 0, 0
-    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
-    for line in filter(str.strip, lines):
-        try:
-            row = json.loads(line)
-        except ValueError:
-            torn += 1
-            continue
-        if isinstance(row, dict) and isinstance(row.get("epoch"), int) and row["epoch"] < before_epoch:
-            kept.append(row)
-        else:
-            later += 1
-    if path.exists():
-        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
-    if warn is not None and (later or torn):
-        warn(f"warning: {path.name} cut back to epoch {before_epoch}: {later} later and {torn} unreadable line(s) dropped")
-    return {"kept": kept, "dropped_later": later, "dropped_unreadable": torn}
-
-# %% ../notebooks/06_accelerate_fundamentals.ipynb #5d1ec69d
-class NonFiniteLossError(RuntimeError):
-    """The loss became NaN or Inf; the training script prints one line naming the step and exits 3 (11)."""
-
-
-class NonFiniteGuard:
-    """Watch the training loss for NaN/Inf on every process, and decide the same on all of them (06, 11).
-
-    `stop` costs no host sync per step: the first bad optimizer step is recorded on the device and
-    `check` (called on every process at log steps, before checkpoints, at the end of an epoch) raises
-    `NonFiniteLossError` naming it, so nothing computed after it is saved. `skip` decides at every
-    optimizer step (one sync): a step whose loss was NaN/Inf on *any* process is skipped by all of
-    them and counted in `skipped`; `max_in_a_row` skips in a row stop the run (it diverged)."""
-
-    def __init__(self, accelerator, mode: str = "stop", skipped: int = 0, in_a_row: int = 0,
-                 max_in_a_row: int = 10, inject_at: list[int] | None = None):
-        self.accelerator, self.mode, self.max_in_a_row = accelerator, mode, max_in_a_row
-        self.skipped, self.in_a_row = skipped, in_a_row  # the caller keeps them across epochs and resumes
-        self.inject_at = set(inject_at or ())  # testing hook (11): the main process's loss is NaN at these steps
-        self.first_bad = torch.full((1,), -1, dtype=torch.long, device=accelerator.device)
-        self.window_bad, self.last_finite = False, True
-
-    def observe(self, loss: torch.Tensor, step: int) -> torch.Tensor:
-        """Record one micro-batch's loss (`step`: the optimizer step it belongs to) and return it."""
-        if step in self.inject_at and self.accelerator.is_main_process:
-            loss = loss * float("nan")
-        bad = ~torch.isfinite(loss.detach()).all()
-        if self.mode == "skip":
-            self.last_finite = not bool(bad)  # a host sync, in skip mode only
-            self.window_bad |= not self.last_finite
-        else:
-            self.first_bad = torch.where((self.first_bad < 0) & bad, step, self.first_bad)  # stays on the device
-        return loss
-
-    def skip_step(self, step: int) -> bool:
-        """On the last micro-batch of optimizer step `step`: True (skip mode) if any process saw NaN/Inf."""
-        if self.mode != "skip":
-            return False
-        flag = torch.tensor([float(self.window_bad)], device=self.accelerator.device)
-        bad = self.accelerator.reduce(flag, "sum").item() > 0  # the same decision on every process
-        self.window_bad = False
-        self.in_a_row = self.in_a_row + 1 if bad else 0
-        if self.in_a_row >= self.max_in_a_row:
-            raise NonFiniteLossError(f"the loss was NaN or Inf at {self.in_a_row} optimizer steps in a row (up to "
-                                     f"step {step}): skipping does not help, the run diverged; lower --learning_rate "
-                                     "or set --max_grad_norm and resume from an earlier checkpoint")
-        if bad:
-            self.skipped += 1
-            self.accelerator.print(f"warning: non-finite loss at optimizer step {step}: step skipped "
-                                   f"({self.skipped} so far)", file=sys.stderr, flush=True)
-        return bad
-
-    def check(self, epoch: int, run_dir: str | os.PathLike) -> None:
-        """Stop mode: raise `NonFiniteLossError` if any process saw NaN/Inf (call it on every process)."""
-        if self.mode != "stop":
-            return
-        steps = self.accelerator.gather(self.first_bad)
-        steps = steps[steps >= 0]
-        if steps.numel():
-            raise NonFiniteLossError(
-                f"the loss became NaN or Inf at optimizer step {int(steps.min())} (epoch {epoch}); training "
-                f"stopped and nothing after it was saved. Last good checkpoint: {latest_checkpoint(run_dir) or 'none'}. "
-                "Lower --learning_rate or set --max_grad_norm and resume with --resume_from_checkpoint latest, or "
-                "pass --on_nonfinite_loss skip to skip such steps")
-
-# %% ../notebooks/06_accelerate_fundamentals.ipynb #f25e1ba3
-class StopAtOnce(KeyboardInterrupt):
-    """A second Ctrl-C: `StopRequest` raises it wherever the process is, without a checkpoint (06)."""
-
-
-class StopRequest:
-    """SIGTERM or SIGUSR1 (what SLURM and Kubernetes send before they kill a job) and Ctrl-C (SIGINT), turned into a
-    clean stop (06, 11).
-
-    The signal handler only sets a flag; after each optimizer step the loop asks `requested(step)`, then
-    checkpoints and stops. With several processes all must stop at the same step, so the flag is summed over
-    the processes every `every` optimizer steps (one tiny all-reduce and one host sync), and every process
-    learns that some process was asked to stop. A second Ctrl-C stops at once: `StopAtOnce` (a
-    `KeyboardInterrupt`) is raised wherever the process is, nothing saved. A SIGINT within `same_press` seconds
-    of the first is that same Ctrl-C arriving twice (a terminal sends it to every process of its foreground
-    group, and a launcher there passes it on again). A forked child (a data loader worker) that inherited the
-    handler ignores the signals: the process that entered decides. Use it as a context manager: the previous
-    handlers are back at exit. `exit_status` is what a process killed by the signal would return (128 + its
-    number: 143 SIGTERM, 138 SIGUSR1, 130 SIGINT), so a scheduler still sees a terminated job, with its
-    checkpoint saved."""
-
-    def __init__(self, accelerator, every: int = 10, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"),
-                 same_press: float = 1.0):
-        self.accelerator, self.every, self.signals, self.same_press = accelerator, every, signals, same_press
-        self.received: str | None = None  # the first signal this process received, if any
-        self.stopped = False              # `requested` said yes: the run stops
-        self._previous: dict = {}
-        self._owner: int | None = None    # the process that entered
-        self._interrupted_at: float | None = None  # time of the first Ctrl-C
-
-    def __enter__(self) -> "StopRequest":
-        if threading.current_thread() is threading.main_thread():  # Python sets handlers in the main thread only
-            self._owner = os.getpid()
-            for name in self.signals:
-                if hasattr(signal, name):
-                    self._previous[name] = signal.signal(getattr(signal, name), self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, handler in self._previous.items():
-            signal.signal(getattr(signal, name), handler)
-        self._previous = {}
-
-    def _handle(self, signum, frame) -> None:
-        if os.getpid() != self._owner:  # a forked data loader worker: its parent process decides
-            return
-        name = signal.Signals(signum).name
-        if name == "SIGINT":
-            now = time.monotonic()
-            if self._interrupted_at is None:
-                self._interrupted_at = now
-                self._say("Ctrl-C: stopping after this optimizer step, with a checkpoint; "
-                          "press Ctrl-C again to stop at once, without one")
-            elif now - self._interrupted_at >= self.same_press:  # a second Ctrl-C, not the first one twice
-                self.__exit__()  # the previous handlers are back: a third Ctrl-C is a plain KeyboardInterrupt
-                raise StopAtOnce("a second Ctrl-C: stopped at once, without a checkpoint")
-        self.received = self.received or name
-
-    def _say(self, text: str) -> None:
-        """One line on stderr from the main process, written straight to the file descriptor: a signal handler
-        can run in the middle of another write to `sys.stderr`, which a second write would break."""
-        if is_main_process(self.accelerator):
-            try:
-                os.write(2, f"{text}\n".encode())
-            except OSError:
-                pass
-
-    def requested(self, step: int) -> bool:
-        """After optimizer step `step`: stop now? The same answer on every process."""
-        if self.accelerator.num_processes == 1:
-            self.stopped = self.received is not None  # one process: no one to agree with, no sync
-        elif step % self.every == 0:
-            flag = torch.tensor([float(self.received is not None)], device=self.accelerator.device)
-            self.stopped = self.accelerator.reduce(flag, "sum").item() > 0
-        return self.stopped
-
-    @property
-    def exit_status(self) -> int:
-        return 128 + getattr(signal, self.received or "SIGTERM")
-
-    def why(self) -> str:
-        """What the loop adds to its 'stopped at step N' line: the signal and how to continue ('' if none)."""
-        if not self.stopped:
-            return ""
-        return f" ({self.received or 'a signal to another process'}): checkpoint saved, resume with --resume_from_checkpoint latest"
-
-# %% ../notebooks/06_accelerate_fundamentals.ipynb #026379fa
-LAUNCHERS = ("accelerate launch", "accelerate-launch", "accelerate.commands.launch", "torchrun", "torch.distributed.run",
-             "torch.distributed.launch")  # how the launchers appear in their own command line
-
-
-def launcher_name(cmdline: list[str]) -> str | None:
-    """The launcher a command line runs (one of `LAUNCHERS`: `accelerate launch`, `torchrun`, ...), or None (06)."""
-    words = [Path(word).name for word in cmdline]
-    for i, word in enumerate(words):
-        for name in (word, " ".join(words[i:i + 2])):
-            if name in LAUNCHERS:
-                return name
-    return None
-
-
-_FOLLOWED: dict[int, str | None] = {}  # process id -> the launcher it follows (None: started by something else)
-
-
-def follow_launcher(poll_s: float = 0.2) -> str | None:
-    """If a launcher (`accelerate launch`, torchrun) started this process, send this process a SIGTERM when that
-    launcher is gone, as if the launcher had passed its own signal on (06). Inside a `StopRequest` that is a polite
-    stop with a checkpoint; before training there is nothing to lose. accelerate's one-process launcher is a plain
-    subprocess that dies of a SIGTERM at once, without passing it on: this is how its training process still hears
-    it. Returns the launcher's name, or None (then nothing is watched). Once per process."""
-    import psutil
-
-    me = os.getpid()
-    if me in _FOLLOWED:
-        return _FOLLOWED[me]
-    parent = os.getppid()
-    try:
-        name = launcher_name(psutil.Process(parent).cmdline())
-    except psutil.Error:
-        name = None
-    if name:
-        def watch() -> None:
-            while os.getppid() == parent:  # an orphan is adopted by another process: its parent changes
-                time.sleep(poll_s)
-            os.kill(me, signal.SIGTERM)
-
-        threading.Thread(target=watch, name="follow-launcher", daemon=True).start()
-    _FOLLOWED[me] = name
-    return name
-
-
-EXIT_STATUS_ENV = "TUTORIAL_EXIT_STATUS_FILE"
-
-
-def record_exit_status(status: int) -> None:
-    """Write this process's exit status to the file named by `$TUTORIAL_EXIT_STATUS_FILE`, if set (06, 11).
-
-    `accelerate launch` turns every non-zero status of its processes into 1 (with its own traceback): a job script
-    that must tell a polite stop (143) from a bad input (2) reads this file instead. The main process's status
-    wins; another process writes only into an empty place (e.g. the one that met a bad file while process 0 failed
-    otherwise). Written whole (a temporary file, then a rename); a file that cannot be written is skipped."""
-    path = os.environ.get(EXIT_STATUS_ENV)
-    if not path:
-        return
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        Path(tmp).write_text(f"{int(status)}\n")
-        if is_main_process():
-            os.replace(tmp, path)
-        else:
-            os.link(tmp, path)  # fails if the file exists: process 0's status, or another's, is already there
-    except OSError:
-        pass
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-
-
-def read_exit_status(path: str | os.PathLike) -> int | None:
-    """The status `record_exit_status` wrote to `path`, or None if there is none."""
-    try:
-        return int(Path(path).read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-# %% ../notebooks/06_accelerate_fundamentals.ipynb #556d5937
-WANDB_MODES = ("online", "offline", "disabled")
-_WANDB_MODE_ALIASES = {"dryrun": "offline", "run": "online", "shared": "online"}
-
-
-def wandb_api_key_configured() -> bool:
-    """True when W&B has a key without asking: `WANDB_API_KEY` or a `.netrc` entry for its host."""
-    if os.environ.get("WANDB_API_KEY", "").strip():
-        return True
-    host = urlsplit(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).netloc or "api.wandb.ai"
-    path = Path(os.environ.get("NETRC", "~/.netrc")).expanduser()
-    try:
-        creds = netrc.netrc(path).authenticators(host)
-    except (OSError, netrc.NetrcParseError):
-        return False
-    return bool(creds and creds[2])
-
-
-def resolve_wandb_mode() -> str:
-    """The W&B mode to use: an explicit `WANDB_MODE`, else "online" with a key, else "offline".
-
-    Never prompts and never touches the network (taught in 06); `WANDB_DISABLED=true` gives
-    "disabled"."""
-    explicit = os.environ.get("WANDB_MODE", "").strip().lower()
-    if explicit:
-        explicit = _WANDB_MODE_ALIASES.get(explicit, explicit)
-        if explicit not in WANDB_MODES:
-            raise ValueError(f"WANDB_MODE={os.environ['WANDB_MODE']!r} is not one of {WANDB_MODES}; "
-                             "set it to one of those or unset it.")
-        return explicit
-    if os.environ.get("WANDB_DISABLED", "").strip().lower() in {"1", "true", "yes"}:
-        return "disabled"
-    return "online" if wandb_api_key_configured() else "offline"
-
-
-def wandb_server_problem(timeout: float = 3.0) -> str | None:
-    """Why the W&B server (`WANDB_BASE_URL`, else api.wandb.ai) does not answer within `timeout` seconds; None if it
-    answers. `wandb.init` online would otherwise wait for it about 90 s and then fail with a traceback. One HTTP
-    request (proxies of the environment honoured) in a thread, so that a hanging DNS lookup is bounded too."""
-    import urllib.error
-    import urllib.request
-
-    url = os.environ.get("WANDB_BASE_URL", "").strip() or "https://api.wandb.ai"
-    answers: list = []
-
-    def ask() -> None:
-        try:
-            urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
-            answers.append(None)
-        except urllib.error.HTTPError:  # an error status is an answer: the server is there
-            answers.append(None)
-        except Exception as err:  # URLError (refused, no route, no DNS), timeouts
-            answers.append(f"{url} does not answer ({getattr(err, 'reason', None) or err})")
-
-    thread = threading.Thread(target=ask, daemon=True)
-    thread.start()
-    thread.join(timeout)  # a lookup or connection still pending then is no answer
-    return answers[0] if answers else f"{url} does not answer within {timeout:g} s"
-
-# %% ../notebooks/06_accelerate_fundamentals.ipynb #23e2345d
-def check_trackers(log_with: list[str]) -> None:
-    """`--log_with`, before anything starts: 'none' alone, 'tensorboard' only if the package is installed, and
-    'wandb' with a `WANDB_MODE` it can honour."""
-    if "none" in log_with and len(log_with) > 1:
-        raise UserError(f"--log_with {' '.join(log_with)}: 'none' means no tracker; give it alone")
-    if "wandb" in log_with:
-        try:
-            mode = resolve_wandb_mode()
-        except ValueError as err:
-            raise UserError(str(err)) from None
-        # WANDB_MODE=online without a key (only an explicit WANDB_MODE gives that) is refused rather than logged
-        # offline: the user asked for online logging, which cannot work here; refusing costs a second and is fixed at
-        # once, where a fallback would quietly contradict an explicit setting (W&B itself fails after seconds).
-        if mode == "online" and not wandb_api_key_configured():
-            raise UserError("WANDB_MODE=online but W&B has no API key here (WANDB_API_KEY or `wandb login`): "
-                            "log in, or unset WANDB_MODE to log offline and upload later with `wandb sync`")
-    if "tensorboard" in log_with and importlib.util.find_spec("tensorboard") is None:
-        raise UserError("--log_with tensorboard needs the tensorboard package: pip install tensorboard "
-                        "(or the project's [tensorboard] extra)")
-
-
-def start_trackers(accelerator, project: str, config: dict, run_id: str, name: str, run_dir: str | os.PathLike) -> str:
-    """`accelerator.init_trackers` for the trackers the `Accelerator` was built with: W&B in the mode of
-    `resolve_wandb_mode` (never blocks) resuming run `run_id` (a resumed training run continues the same W&B
-    run), TensorBoard event files in `<run>/tensorboard/`. Says where offline logs go; returns the W&B mode.
-
-    Online with a key but a server that does not answer within 3 s (`wandb_server_problem`, asked on the main
-    process, which alone starts W&B), W&B logs offline and says so: no network is a property of the machine (compute
-    nodes often have none), not a mistake in the command, and a days-long run must not stop for its logger when the
-    offline files can be uploaded later."""
-    mode = resolve_wandb_mode()
-    logs = Path(run_dir) / "wandb"
-    wandb = any(str(tracker) == "wandb" for tracker in accelerator.log_with)
-    problem = wandb_server_problem() if wandb and mode == "online" and accelerator.is_main_process else None
-    if problem:
-        mode = "offline"
-        accelerator.print(f"W&B: {problem}, logging offline to {logs}; metrics.jsonl has every epoch; upload later "
-                          f"with `wandb sync {logs}/offline-run-*`", flush=True)
-    elif wandb and mode == "offline":
-        accelerator.print(f"W&B: no API key found (WANDB_API_KEY or `wandb login`), logging offline to {logs}; "
-                          f"metrics.jsonl has every epoch; upload later with `wandb sync {logs}/offline-run-*`", flush=True)
-    elif wandb and mode == "disabled":
-        accelerator.print("W&B: disabled by WANDB_MODE; metrics.jsonl has every epoch", flush=True)
-    plain = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in config.items()}  # TensorBoard's hparams
-    accelerator.init_trackers(project, config=plain, init_kwargs={"wandb": {
-        "id": run_id, "resume": "allow", "name": name, "dir": str(run_dir), "mode": mode}})
-    return mode
-
-# %% ../notebooks/06_accelerate_fundamentals.ipynb #e49114a3
-def read_wandb_offline_run(folder: str | os.PathLike, timeout: float = 0.0) -> dict:
-    """What an offline W&B run folder (`<run>/wandb/offline-run-*`) recorded: its run id, project, name and config,
-    every logged row (`history`, with `_step`), the final `summary`, and whether the run `finished`, read from its
-    `run-<id>.wandb` file without W&B's server (06). W&B writes that file from a separate process, a moment after
-    `finish()` returns: `timeout` waits up to that many seconds for the run's exit record. A file still being
-    written is read up to its last complete record."""
-    deadline = time.monotonic() + timeout
-    while True:
-        run = _read_wandb_file(folder)
-        if run["finished"] or time.monotonic() >= deadline:
-            return run
-        time.sleep(0.05)
-
-
-def _read_wandb_file(folder: str | os.PathLike) -> dict:
-    import struct
-    import zlib
-
-    from wandb.proto import wandb_internal_pb2
-
-    files = sorted(Path(folder).glob("run-*.wandb"))
-    if len(files) != 1:
-        raise FileNotFoundError(f"{folder} holds {len(files)} run-*.wandb files, not one: give an offline-run-* folder")
-    data = files[0].read_bytes()
-    if data[:4] != b":W&B":
-        raise ValueError(f"{files[0]} is not a W&B run file (it does not start with ':W&B')")
-    block, header = 32768, 7  # LevelDB's log format: 32 KiB blocks; a record: CRC-32, length, type, then its bytes
-    run = {"run_id": "", "project": "", "name": "", "config": {}, "history": [], "summary": {}, "finished": False}
-
-    def items(updates) -> dict:
-        return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in updates}
-
-    pos, pending = header, b""  # the file starts with a 7-byte header (':W&B', a magic number, a version)
-    while pos + header <= len(data):
-        if block - pos % block < header:  # too little room left in the block for a record: padding
-            pos += block - pos % block
-            continue
-        checksum, length, kind = struct.unpack("<IHB", data[pos:pos + header])
-        if kind == 0 or pos + header + length > len(data):
-            break  # zero padding, or a record still being written
-        chunk = data[pos + header:pos + header + length]
-        if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != checksum:
-            raise ValueError(f"{files[0]} is damaged at byte {pos}: checksum mismatch")
-        pos, pending = pos + header + length, pending + chunk
-        if kind in (2, 3):  # the first or a middle part of a long record: the rest follows
-            continue
-        record, pending = wandb_internal_pb2.Record.FromString(pending), b""
-        what = record.WhichOneof("record_type")
-        if what == "run":
-            run.update(run_id=record.run.run_id, project=record.run.project, name=record.run.display_name)
-            run["config"].update(items(record.run.config.update))
-        elif what == "config":
-            run["config"].update(items(record.config.update))
-        elif what == "history":
-            run["history"].append(items(record.history.item))
-        elif what == "summary":
-            run["summary"].update(items(record.summary.update))
-            for item in record.summary.remove:
-                run["summary"].pop(item.key or "/".join(item.nested_key), None)
-        elif what == "exit":
-            run["finished"] = True  # the run's last record
-    for key in [k for k in run["config"] if k.startswith("_wandb")]:
-        del run["config"][key]  # W&B's own bookkeeping
-    run["summary"] = {k: v for k, v in run["summary"].items() if not k.startswith("_wandb")}
-    return run

@@ -22,10 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .accel import EXIT_STATUS_ENV, read_exit_status, sha256_file
+from .checkpoints import sha256_file
 from .cli import (HelpFormatter, OneLineParser, as_flags, cli_main, config_path, non_negative_int,
                               positive_int)
 from .core import UserError, free_port, in_notebook
+from .launching import EXIT_STATUS_ENV, read_exit_status
 
 # %% auto #0
 __all__ = ['BAD_FILE_KINDS', 'FORK_PRELOAD', 'ACCELERATE_LAUNCHES', 'STRESS_RUN', 'KILL_KINDS', 'KILL_WEIGHTS', 'POLITE',
@@ -248,7 +249,7 @@ class TrainingProcess:
 
     Under `accelerate launch` signals go to the launcher, as a scheduler sends them; the run lasts until every
     process of the launch has ended (a launcher that died can leave its training process running), and its exit
-    code is the script's own (06's `$TUTORIAL_EXIT_STATUS_FILE`), the launcher's is `launcher_returncode`.
+    code is the script's own (06c's `$TUTORIAL_EXIT_STATUS_FILE`), the launcher's is `launcher_returncode`.
     Output goes to files (`log_prefix`.out/.err) so the process never blocks on a full pipe."""
 
     def __init__(self, argv: list[str], log_prefix: str | os.PathLike, launcher: str = "python",

@@ -20,10 +20,14 @@ import torch.nn.functional as F
 
 from .accumulation import TinyCNN, loss_scale
 from .accel import (
-    ClassificationMetrics, MetricsLogger, MissingPathError, NonFiniteGuard, NonFiniteLossError, StopRequest, TrainState,
-    atomic_write_text, build_accelerator, check_free_space, check_trackers, check_writable, claim_run_folder,
-    cut_metrics, format_metrics_table, merge_metrics, model_signature, read_metrics, resolve_resume_path, resume_state,
-    run_outputs, save_checkpoint, save_final_model, start_trackers, write_run_config)
+    ClassificationMetrics, MetricsLogger, MissingPathError,
+    build_accelerator, format_metrics_table, merge_metrics, read_metrics)
+from .checkpoints import (
+    TrainState, atomic_write_text, model_signature, resolve_resume_path, resume_state, save_checkpoint, save_final_model)
+from .runs import (
+    NonFiniteGuard, NonFiniteLossError, StopRequest, check_free_space, check_writable, claim_run_folder, cut_metrics,
+    run_outputs, write_run_config)
+from .trackers import check_trackers, start_trackers
 from .cli import (
     HelpFormatter, OneLineParser, Progress, cli_main, non_negative_float, non_negative_int, number_flag, one_line,
     parse_overrides, positive_float, positive_int)
@@ -33,9 +37,11 @@ from .data import (
     progressive_resolution, resize_batch, resolve_data_source, seeded_subset)
 from .optim import make_ema, param_groups
 from .schedules import build_scheduler, num_optimizer_steps, resume_with_flags, scaled_lr
-from .accel import (  # signals, launchers and exit statuses (06)
-    DiskFullError, LaunchError, RunFolderError, StopAtOnce, follow_launcher, is_main_process, latest_checkpoint,
-    process_index, record_exit_status)
+# the errors, signals, launchers and exit statuses of main() (06a, 06b, 06c)
+from .accel import LaunchError, is_main_process, process_index
+from .checkpoints import DiskFullError, RunFolderError, latest_checkpoint
+from .launching import follow_launcher, record_exit_status
+from .runs import StopAtOnce
 
 # %% auto #0
 __all__ = ['TIMING_KEYS', 'WARMUP_CAP', 'WATCHED_FLAGS', 'RECIPE_V1', 'SHARED_ERRORS', 'BadFlagError', 'build_model', 'Run',
@@ -82,7 +88,7 @@ class Run:
     state: TrainState = field(default_factory=TrainState)
     checkpoint_meta: dict = field(default_factory=dict)  # model, classes, signature: in every manifest
     peak_flops: float | None = None                      # for MFU; None on a CPU
-    stop: StopRequest | None = None                      # SIGTERM/SIGUSR1: checkpoint and stop (06)
+    stop: StopRequest | None = None                      # SIGTERM/SIGUSR1: checkpoint and stop (06b)
     flops_at: dict = field(default_factory=dict)         # training FLOPs per image at each resolution
     checkpoint_bytes: int = 0                            # about the size of one checkpoint (`checkpoint_size`)
 
@@ -155,7 +161,7 @@ def train_one_epoch(run: Run, epoch: int, timer: StepTimer | None = None) -> Epo
     bar = Progress(total=len(run.train_loader), initial=state.batches_done, desc=f"epoch {epoch}", unit="batches",
                    disable=args.disable_progress_bar or not accelerator.is_main_process)  # 00a: a bar, or lines in a log
     guard = NonFiniteGuard(accelerator, args.on_nonfinite_loss, state.nonfinite_skipped, state.nonfinite_in_a_row,
-                           inject_at=args.inject_nan_at_steps)  # 06: a NaN/Inf loss stops or skips, on every process
+                           inject_at=args.inject_nan_at_steps)  # 06b: a NaN/Inf loss stops or skips, on every process
     res = train_resolution(args, epoch)  # --img_size, or this epoch's progressive-resizing resolution (10)
     timer = timer or StepTimer(accelerator.device, sync=False)
     timer.reset()
@@ -209,7 +215,7 @@ def log_step(run: Run, guard: NonFiniteGuard, bar, timer: StepTimer, loss: torch
 
 
 def save_run_checkpoint(run: Run) -> Path:
-    """06's atomic `save_checkpoint` of the run's state; the manifest names the model and the position."""
+    """06a's atomic `save_checkpoint` of the run's state; the manifest names the model and the position."""
     state = run.state
     meta = {**run.checkpoint_meta, "run_id": state.wandb_run_id, "epoch": state.epoch, "batches_done": state.batches_done}
     return save_checkpoint(run.accelerator, run.run_dir, state.global_step, state.state_dict(),
@@ -340,7 +346,7 @@ def setup_run(args: argparse.Namespace, accelerator, model: nn.Module, train_loa
 
 
 def resume_run(run: Run) -> None:
-    """`--resume_from_checkpoint`: 06's `resume_state` restores the checkpoint (refusing another model's, or a
+    """`--resume_from_checkpoint`: 06a's `resume_state` restores the checkpoint (refusing another model's, or a
     mid-epoch one of another layout); then the flags given now win over the saved optimizer (05's
     `resume_with_flags`): --learning_rate, --momentum, the weight decays. An epoch-end checkpoint keeps its place
     in the schedule (epochs done / --epochs) under a new --batch_size, accumulation or number of processes."""
@@ -367,14 +373,14 @@ def open_outputs(run: Run, num_train: int, num_val: int) -> MetricsLogger:
               "num_processes": accelerator.num_processes, "global_batch_size": global_batch,
               "mixed_precision": accelerator.mixed_precision,  # what runs, whatever was asked (06)
               "optimizer_steps_per_epoch": num_optimizer_steps(len(run.train_loader), args.gradient_accumulation_steps, 1)}
-    if accelerator.is_main_process:  # 06: flags changed on a resume are recorded with the step
+    if accelerator.is_main_process:  # 06b: flags changed on a resume are recorded with the step
         write_run_config(run_dir, config, state.global_step, WATCHED_FLAGS)
         if "wandb" in args.log_with:
             atomic_write_text(run_dir / "wandb_run_id.txt", state.wandb_run_id + "\n")
         # the epochs from state.epoch on are trained again: their lines go, with a warning if there were any
         cut_metrics(run_dir / "metrics.jsonl", state.epoch, warn=lambda line: print(line, file=sys.stderr, flush=True))
     accelerator.wait_for_everyone()
-    if accelerator.log_with:  # 06: W&B offline without a key, never blocking; a resumed run continues its runs
+    if accelerator.log_with:  # 06d: W&B offline without a key, never blocking; a resumed run continues its runs
         start_trackers(accelerator, args.wandb_project, config, state.wandb_run_id, args.experiment_name, run_dir)
     accelerator.print(f"{args.model} on {args.path_to_data}: {num_train} train / {num_val} val images, "
                       f"{run.num_classes} classes; {accelerator.num_processes} process(es) on "
@@ -460,7 +466,7 @@ def finish_run(run: Run, rows: list[dict], stopped: bool, seconds: float) -> dic
     args, accelerator, state, run_dir = run.args, run.accelerator, run.state, run.run_dir
     finished = state.epoch >= args.epochs
     if finished:
-        save_final_model(accelerator, run.model, run_dir)  # 06: moved into place whole, readable as the umask says
+        save_final_model(accelerator, run.model, run_dir)  # 06a: moved into place whole, readable as the umask says
     accelerator.end_training()
     final = {**(rows[-1] if rows else {}), "finished": finished, "stopped": stopped,
              "optimizer_steps": state.global_step, "scheduler_steps": run.scheduler.scheduler.last_epoch,
@@ -483,7 +489,7 @@ def train(args: argparse.Namespace) -> dict:
     `Accelerator`: the same under `accelerate launch`, `notebook_launcher` (09) and in a plain Python process."""
     from accelerate.utils import set_seed
 
-    follow_launcher()  # started by `accelerate launch`: a SIGTERM when that launcher is gone (06)
+    follow_launcher()  # started by `accelerate launch`: a SIGTERM when that launcher is gone (06c)
     run_dir = Path(args.working_directory) / args.experiment_name
     new_folder = not run_dir.exists()
     accelerator = build_accelerator(args.cpu, args.mixed_precision, args.gradient_accumulation_steps,  # 06
@@ -492,7 +498,7 @@ def train(args: argparse.Namespace) -> dict:
     check_args(args)  # every rule between flags, and the paths: before any data is read
     explicit = args.resume_from_checkpoint not in (None, "", "latest")  # a checkpoint folder: it continues its own run
     lock = claim_run_folder(run_dir, fresh=not args.resume_from_checkpoint, overwrite=args.overwrite, accelerator=accelerator,
-                            resume_from=args.resume_from_checkpoint if explicit else None)  # one run per folder (06)
+                            resume_from=args.resume_from_checkpoint if explicit else None)  # one run per folder (06b)
     try:
         set_seed(args.seed)  # same initial weights on every process (DDP also broadcasts rank 0's)
         train_ds, val_ds = load_data(args)
@@ -509,11 +515,11 @@ def train(args: argparse.Namespace) -> dict:
             raise BadFlagError(f"--batch_size {args.batch_size}: {err}") from None
         run = setup_run(args, accelerator, build_model(args.model, num_classes, args.zero_init_residual), train_loader, val_loader,
                         num_classes, run_dir)
-        check_free_space(run_dir, run.checkpoint_bytes, accelerator)  # 06: now, not at the first save an epoch later
+        check_free_space(run_dir, run.checkpoint_bytes, accelerator)  # 06b: now, not at the first save an epoch later
         resume_run(run)
         logger = open_outputs(run, len(train_ds), len(val_ds))
         start = time.perf_counter()
-        with StopRequest(accelerator) as run.stop:  # SIGTERM/SIGUSR1/Ctrl-C: finish the step, checkpoint, stop (06)
+        with StopRequest(accelerator) as run.stop:  # SIGTERM/SIGUSR1/Ctrl-C: finish the step, checkpoint, stop (06b)
             rows, stopped = train_and_evaluate(run, logger)
             return finish_run(run, rows, stopped, time.perf_counter() - start)  # a late signal waits for this
     finally:
@@ -629,7 +635,7 @@ def check_args(args: argparse.Namespace) -> None:
             progressive_resolution(0, args.min_res, args.max_res, args.end_ramp, args.start_ramp, args.res_step)
         except ValueError as err:
             raise BadFlagError(f"progressive resizing (--min_res, --max_res, --end_ramp, --start_ramp): {err}") from None
-    check_trackers(args.log_with)  # 06: 'none' alone; tensorboard installed
+    check_trackers(args.log_with)  # 06d: 'none' alone; tensorboard installed
     run_dir = (Path(args.working_directory) / args.experiment_name).resolve()
     if args.overwrite and args.resume_from_checkpoint:  # allowed: another run's checkpoint continued in this folder
         checkpoint = Path(args.resume_from_checkpoint).resolve()
@@ -678,7 +684,7 @@ def check_paths(args: argparse.Namespace) -> None:
     run_dir = Path(args.working_directory) / args.experiment_name
     if args.resume_from_checkpoint not in (None, "", "latest"):
         resolve_resume_path(args.resume_from_checkpoint, run_dir)
-    check_writable(run_dir, f"--working_directory {args.working_directory}")  # 06: now, not after the first epoch
+    check_writable(run_dir, f"--working_directory {args.working_directory}")  # 06b: now, not after the first epoch
 
 # %% ../notebooks/08_training_script.ipynb #8c21f546
 RECIPE_V1 = dict(model="resnet50", epochs=90, batch_size=32, lr_base=0.1, lr_base_batch=256, momentum=0.9,
@@ -816,16 +822,16 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of `tutorial-train` and `python -m tutorial_lib.train`: 00a's `cli_main`. A user error prints one
     line and exits 2, a NaN/Inf loss 3, no traceback (11), said once per launch; SIGTERM/SIGUSR1 and Ctrl-C
     checkpoint and exit 143/138/130; a second Ctrl-C stops at once (130). Bugs keep their traceback. The status also
-    goes to `$TUTORIAL_EXIT_STATUS_FILE` when set (06's `record_exit_status`): `accelerate launch` reports 1 for all."""
+    goes to `$TUTORIAL_EXIT_STATUS_FILE` when set (06c's `record_exit_status`): `accelerate launch` reports 1 for all."""
     cli_main(get_args_parser(), run_command, argv, process=process_index(), shared=SHARED_ERRORS,
              exit_statuses={NonFiniteLossError: 3}, line=error_line, on_exit=record_exit_status)
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """Train with the parsed flags; return the exit status: 0, or 128 + the signal after a polite stop (06)."""
+    """Train with the parsed flags; return the exit status: 0, or 128 + the signal after a polite stop (06b)."""
     try:
         return train(args)["exit_status"]
-    except KeyboardInterrupt as err:  # a second Ctrl-C (06's StopAtOnce), or Ctrl-C outside the training loop
+    except KeyboardInterrupt as err:  # a second Ctrl-C (06b's StopAtOnce), or Ctrl-C outside the training loop
         if is_main_process():
             if isinstance(err, StopAtOnce):
                 last = latest_checkpoint(Path(args.working_directory) / args.experiment_name)

@@ -1,0 +1,80 @@
+"""tutorial_lib.launching: `launch_with_timeout` kills a hung launch and runs each process on one thread.
+
+The launched functions live at module level so that they can be pickled."""
+import json
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tutorial_lib.launching import launch_with_timeout
+
+
+def hang_once_on_rank_1(marker: str) -> None:
+    """A launched function whose first launch hangs on rank 1 (as a worker that inherited a held lock does)."""
+    import time
+
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    first_launch = not Path(marker).exists()
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        Path(marker).write_text(Path(marker).read_text() + "x" if Path(marker).exists() else "x")
+    if first_launch and accelerator.process_index == 1:
+        time.sleep(600)
+    accelerator.wait_for_everyone()
+    Path(f"{marker}.done{accelerator.process_index}").write_text(str(accelerator.num_processes))
+
+
+@pytest.mark.slow
+def test_launch_with_timeout_kills_a_hung_launch_and_starts_it_again(tmp_path):
+    marker = str(tmp_path / "launches")
+    start = time.perf_counter()
+    launch_with_timeout(hang_once_on_rank_1, (marker,), num_processes=2, timeout=15)
+    assert Path(marker).read_text() == "xx", "expected exactly two launches"
+    assert [Path(f"{marker}.done{r}").read_text() for r in (0, 1)] == ["2", "2"]
+    assert time.perf_counter() - start < 60
+    assert not multiprocessing.active_children(), "the killed workers were not reaped"
+
+
+@pytest.mark.slow
+def test_launch_with_timeout_gives_up_after_its_attempts(tmp_path):
+    marker = str(tmp_path / "launches")
+    with pytest.raises(Exception):
+        launch_with_timeout(hang_once_on_rank_1, (marker,), num_processes=2, timeout=10, attempts=1)
+    assert Path(marker).read_text() == "x"
+
+
+def note_threads(out: str) -> None:
+    """A launched function that notes its OMP_NUM_THREADS and torch thread count, per rank."""
+    import warnings
+
+    from accelerate import Accelerator
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        accelerator = Accelerator(cpu=True)
+    Path(f"{out}.{accelerator.process_index}").write_text(json.dumps(
+        [os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads(), [str(w.message) for w in caught]]))
+
+
+@pytest.mark.slow
+def test_launched_processes_compute_on_one_thread_without_accelerates_warning(tmp_path, monkeypatch, capsys):
+    """Forked from a process that has computed with OpenMP threads, a worker's first multi-threaded operation
+    hangs (GCC's libgomp after fork): each launched process runs on one thread unless OMP_NUM_THREADS says
+    otherwise, set in torch itself (a forked process keeps its parent's count whatever the variable says)."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch.set_num_threads(2)
+    torch.ones(512, 512) @ torch.ones(512, 512)  # this process has now used its OpenMP threads
+    out = str(tmp_path / "threads")
+    launch_with_timeout(note_threads, (out,), num_processes=2, timeout=120)
+    for rank in (0, 1):
+        variable, threads, warned = json.loads(Path(f"{out}.{rank}").read_text())
+        assert (variable, threads) == ("1", 1)
+        assert not any("OMP_NUM_THREADS" in w for w in warned), warned
+    assert "OMP_NUM_THREADS" not in os.environ, "the launching process's environment is restored"
+    assert "Launching training on" not in capsys.readouterr().out, "no 'N CUDAs' banner on a CPU"
