@@ -329,7 +329,7 @@ def test_jpeg_listing_labels_flat_folders_by_name_prefix(jpeg_folder):
 
 
 def test_linked_folder_gives_a_flat_folder_the_imagefolder_layout(jpeg_folder, tmp_path):
-    from tutorial_lib.data import build_datasets
+    from tutorial_lib.loading import build_datasets
     root = linked_image_folder(jpeg_folder, tmp_path / "linked")
     train_ds, val_ds = build_datasets(root, img_size=16)
     assert train_ds.classes == val_ds.classes == ["n00", "n01", "n02"]
@@ -397,7 +397,7 @@ def test_bench_data_delegates_to_07_and_ends_with_a_json_line(jpeg_folder):
 # ---- 6. helpers of the fast-recipe switches ---------------------------------------------------------
 
 def test_progressive_resolution_follows_ffcvs_schedule():
-    from tutorial_lib.data import progressive_resolution
+    from tutorial_lib.transforms import progressive_resolution
     schedule = [progressive_resolution(e, 160, 192, end_ramp=76, start_ramp=65) for e in range(88)]
     assert schedule[:66] == [160] * 66 and schedule[76:] == [192] * 12
     assert all(a <= b for a, b in zip(schedule, schedule[1:])) and set(schedule) == {160, 192}
@@ -411,7 +411,7 @@ def test_progressive_resolution_follows_ffcvs_schedule():
 
 
 def test_resize_batch_changes_the_size_keeps_the_layout_and_skips_same_size():
-    from tutorial_lib.data import resize_batch
+    from tutorial_lib.transforms import resize_batch
     x = torch.rand(2, 3, 32, 32).contiguous(memory_format=torch.channels_last)
     y = resize_batch(x, 16)
     assert y.shape == (2, 3, 16, 16) and y.is_contiguous(memory_format=torch.channels_last)

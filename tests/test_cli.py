@@ -24,7 +24,7 @@ def library_modules() -> dict:
 NOT_USER_ERRORS = {
     "runs.NonFiniteLossError": "the loss became NaN or Inf: exit status 3, its own line",
     "runs.StopAtOnce": "a second Ctrl-C: a KeyboardInterrupt, exit status 130",
-    "data._TooManyPixels": "inside decoding only: it becomes the UnreadableImageError that names the file",
+    "decoding._TooManyPixels": "inside decoding only: it becomes the UnreadableImageError that names the file",
 }
 
 
@@ -53,6 +53,9 @@ def command_lines(tmp: Path) -> dict:
         "data": (["shard", "a", "b", "--shard_mb", "0"], "python -m tutorial_lib.data shard: error: --shard_mb must be",
                  ["prepare-val", str(tmp / "nowhere"), str(tmp / "m.txt")],
                  f"python -m tutorial_lib.data: error: validation folder {tmp / 'nowhere'} does not exist"),
+        "databench": (["--data_dir", "a", "--rounds", "0"], "python -m tutorial_lib.databench: error: --rounds must be >= 1",
+                      ["--data_dir", str(tmp / "nowhere")],
+                      f"python -m tutorial_lib.databench: error: image folder {tmp / 'nowhere'} does not exist"),
         "bench": (["loop", "--steps", "0"], "python -m tutorial_lib.bench loop: error: --steps must be >= 1, got 0",
                   ["data", "--data_dir", str(tmp / "nowhere")],
                   f"python -m tutorial_lib.bench: error: image folder {tmp / 'nowhere'} does not exist"),
@@ -71,7 +74,7 @@ def test_every_module_with_a_main_is_a_command_line_checked_here(tmp_path):
     assert with_main == set(command_lines(tmp_path)), with_main
 
 
-@pytest.mark.parametrize("module", ["cli", "data", "bench", "stress", "train"])
+@pytest.mark.parametrize("module", ["cli", "data", "databench", "bench", "stress", "train"])
 def test_every_command_line_says_a_bad_flag_and_a_wrong_input_in_one_line_with_status_2(module, tmp_path, capsys,
                                                                                          monkeypatch):
     monkeypatch.delenv("RANK", raising=False)

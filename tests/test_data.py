@@ -23,14 +23,17 @@ import torchvision.transforms.functional as TF
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from tutorial_lib.data import (IMAGENET_MEAN, IMAGENET_STD, SKIPPED_LABEL, CropParams, DataLayoutError,
-                               EncodedTransform, EpochSeededDataset, EpochSeededSampler, FastTrainTransform,
-                               FastValTransform, ScanReport, UnreadableImageError, base_dataset,
-                               build_datasets, build_loaders, center_crop_params, classic_transforms, collate_images,
-                               decode_batch_on_device, decode_jpegs_on_cuda, decode_rgb, embedded_data_path, find_split_dirs,
-                               format_data_benchmark, jpeg_size, largest_dct_reduction, list_images, load_pil_rgb,
-                               main, normalize_on_device, prepare_val, read_bytes, read_val_mapping,
-                               resized_crop_uint8, run_data_benchmark, sample_crop, scan_image_folder)
+from tutorial_lib.transforms import (IMAGENET_MEAN, IMAGENET_STD, CropParams, FastTrainTransform, FastValTransform,
+                                     center_crop_params, classic_transforms, jpeg_size, largest_dct_reduction,
+                                     normalize_on_device, resized_crop_uint8, sample_crop)
+from tutorial_lib.sources import (DataLayoutError, ScanReport, UnreadableImageError, embedded_data_path,
+                                  find_split_dirs, list_images, read_bytes, scan_image_folder)
+from tutorial_lib.data import main, prepare_val, read_val_mapping
+from tutorial_lib.decoding import EncodedTransform, decode_rgb, load_pil_rgb
+from tutorial_lib.loading import (SKIPPED_LABEL, EpochSeededDataset, EpochSeededSampler, base_dataset, build_datasets,
+                                  build_loaders, collate_images)
+from tutorial_lib.databench import (decode_batch_on_device, decode_jpegs_on_cuda, format_data_benchmark,
+                                    run_data_benchmark)
 from train_helpers import exit_status
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -961,7 +964,7 @@ def test_nvjpeg_decode_drains_the_callers_stream_before_decoding(monkeypatch):
 
 def test_normalization_constants_are_made_once_per_device():
     """Building mean/std from Python lists in every step would be a blocking host-to-GPU copy per step."""
-    from tutorial_lib.data import imagenet_mean_std_255
+    from tutorial_lib.transforms import imagenet_mean_std_255
 
     images = torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8)
     imagenet_mean_std_255.cache_clear()

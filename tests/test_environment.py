@@ -116,9 +116,10 @@ def command_line_defaults() -> dict[str, object]:
     """`prog --flag` -> default, for every flag of every command line the library ships (subcommands included)."""
     import argparse
 
-    from tutorial_lib import bench, data, stress, train
+    from tutorial_lib import bench, data, databench, stress, train
 
-    parsers = [train.get_args_parser(), bench.get_args_parser(), stress.get_args_parser(), data.get_args_parser()]
+    parsers = [train.get_args_parser(), bench.get_args_parser(), stress.get_args_parser(), data.get_args_parser(),
+               databench.get_args_parser()]
     defaults = {}
     while parsers:
         parser = parsers.pop()

@@ -14,8 +14,10 @@ from tutorial_lib import train as T
 from tutorial_lib.accel import read_metrics
 from tutorial_lib.bench import decode_on_side_stream
 from tutorial_lib.core import seed_everything
-from tutorial_lib.data import (build_datasets, decode_batch_on_device, decode_jpegs_on_cuda, embedded_data_path,
-                               jpeg_size, read_bytes)
+from tutorial_lib.transforms import jpeg_size
+from tutorial_lib.sources import embedded_data_path, read_bytes
+from tutorial_lib.loading import build_datasets
+from tutorial_lib.databench import decode_batch_on_device, decode_jpegs_on_cuda
 
 pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
 

@@ -22,7 +22,7 @@ import torchvision
 from train_helpers import assert_user_error
 
 from tutorial_lib.cli import as_flags
-from tutorial_lib.data import IMG_EXTENSIONS
+from tutorial_lib.sources import IMG_EXTENSIONS
 from tutorial_lib.stress import (CliResult, TrainingProcess, child_env, corrupt_image, first_files_of_process,
                                  make_image_folder, run_cli, sha256_file)
 from tutorial_lib.checkpoints import (MANIFEST, incomplete_checkpoints, latest_checkpoint, list_checkpoints,

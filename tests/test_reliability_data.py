@@ -25,8 +25,10 @@ import pyarrow.parquet as pq
 import pytest
 
 import tutorial_lib.data as data_module
-from tutorial_lib.data import (DataLayoutError, DataSourceError, UnreadableImageError, build_datasets,
-                               embedded_data_path, from_archives, main, prepare_val, scan_image_folder)
+from tutorial_lib.sources import (DataLayoutError, DataSourceError, UnreadableImageError, embedded_data_path,
+                                  scan_image_folder)
+from tutorial_lib.data import from_archives, main, prepare_val
+from tutorial_lib.loading import build_datasets
 from train_helpers import assert_user_error, exit_status
 
 from tutorial_lib.cli import as_flags

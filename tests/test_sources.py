@@ -27,10 +27,11 @@ import torch
 from torch.utils.data import DataLoader
 
 import tutorial_lib.data as data_module
-from tutorial_lib.data import (DataLayoutError, DataSourceError, Devkit, RecordDataset, UnreadableImageError,
-                               build_datasets, embedded_data_path, from_archives, main, read_devkit,
-                               resolve_data_source, run_data_benchmark, scan_image_folder, verify_unpacked,
-                               write_shards)
+from tutorial_lib.sources import (DataLayoutError, DataSourceError, RecordReader, UnreadableImageError,
+                                  embedded_data_path, resolve_data_source, scan_image_folder)
+from tutorial_lib.data import Devkit, from_archives, main, read_devkit, verify_unpacked, write_shards
+from tutorial_lib.loading import build_datasets
+from tutorial_lib.databench import format_data_benchmark, run_data_benchmark
 from tutorial_lib.checkpoints import latest_checkpoint
 from tutorial_lib.train import default_args, train
 from train_helpers import ROOT, TINY, bitwise_equal, exit_status, launch, max_weight_difference, weights
@@ -163,7 +164,7 @@ def test_missing_datasets_package_says_how_to_install_it(monkeypatch, hub_parque
 def test_parquet_samples_match_the_folders_sample_by_sample(hub_parquet):
     pq_train, pq_val = build_datasets(hub_parquet, img_size=32)
     dir_train, dir_val = build_datasets(EMBEDDED, img_size=32)
-    assert isinstance(pq_train, RecordDataset) and pq_train.classes == dir_train.classes == pq_val.classes
+    assert isinstance(pq_train.reader, RecordReader) and pq_train.classes == dir_train.classes == pq_val.classes
     assert (len(pq_train), len(pq_val)) == (len(dir_train), len(dir_val)) == (4000, 1000)
     assert pq_train.targets == dir_train.targets and pq_val.targets == dir_val.targets
     for ds_pq, ds_dir in [(pq_train, dir_train), (pq_val, dir_val)]:
@@ -263,13 +264,13 @@ def test_training_script_stops_on_a_corrupt_record_naming_it(tmp_path, capsys):
 def test_save_to_disk_folder_reads_like_the_shards(tmp_path, hub_parquet):
     from datasets import DatasetDict
     pq_train, pq_val = build_datasets(hub_parquet, img_size=32)
-    DatasetDict({"train": pq_train.records, "validation": pq_val.records}).save_to_disk(tmp_path / "saved")
+    DatasetDict({"train": pq_train.reader.records, "validation": pq_val.reader.records}).save_to_disk(tmp_path / "saved")
     assert resolve_data_source(tmp_path / "saved").kind == "saved"
     saved_train, saved_val = build_datasets(tmp_path / "saved", img_size=32, pipeline="gpu")
     dir_train, _ = build_datasets(EMBEDDED, img_size=32, pipeline="gpu")
     assert saved_train.classes == dir_train.classes and len(saved_val) == 1000
     assert all(torch.equal(saved_train[i][0], dir_train[i][0]) for i in (0, 2500, 3999))
-    assert ".arrow" in saved_train.describe(10), "a saved record is named by its Arrow file"
+    assert ".arrow" in saved_train.reader.describe(10), "a saved record is named by its Arrow file"
 
 
 def test_hub_id_is_loaded_with_its_train_and_validation_splits(tmp_path, monkeypatch):
@@ -557,8 +558,8 @@ def test_data_benchmark_reports_parquet_beside_files_and_cleans_up(tmp_path, mon
     result = run_data_benchmark(src / "train", workers=0, img_size=32, batch_size=2, repeats=2, rounds=1)
     assert {"parquet_train_ips", "parquet_val_ips", "train_parquet_ratio", "val_parquet_cpu_ratio"} <= set(result)
     assert result["parquet_train_ips"] > 0 and result["images"] == 6
-    text = data_module.format_data_benchmark(result)
+    text = format_data_benchmark(result)
     assert "ours, parquet" in text and "parquet ÷ files" in text
     assert not list((tmp_path / "tmp").iterdir()), "the parquet file and its Arrow copy are deleted"
     without = run_data_benchmark(src / "train", workers=0, img_size=32, batch_size=2, repeats=1, rounds=1, parquet=False)
-    assert "parquet_train_ips" not in without and "ours, parquet" not in data_module.format_data_benchmark(without)
+    assert "parquet_train_ips" not in without and "ours, parquet" not in format_data_benchmark(without)

@@ -19,7 +19,8 @@ from torch.utils.data import BatchSampler
 from train_helpers import assert_user_error
 
 from tutorial_lib.cli import as_flags
-from tutorial_lib.data import EpochSeededSampler, UnreadableImageError, build_datasets
+from tutorial_lib.sources import UnreadableImageError
+from tutorial_lib.loading import EpochSeededSampler, build_datasets
 from tutorial_lib.stress import (BAD_FILE_KINDS, KILL_KINDS, CliResult, KillPlan, KillRecord, TrainingProcess,
                                  can_mount_small_disk, child_env, corrupt_image, draw_kill_plan,
                                  first_files_of_process, make_image_folder, run_cli, scale_kill_plan, sigterm_problem,

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from tutorial_lib.accel import read_metrics
-from tutorial_lib.data import embedded_data_path
+from tutorial_lib.sources import embedded_data_path
 from tutorial_lib.checkpoints import latest_checkpoint, list_checkpoints
 from tutorial_lib.cli import config_path
 from tutorial_lib.core import free_port
@@ -47,7 +47,7 @@ def test_defaults_are_the_torchvision_v1_recipe_and_the_embedded_data():
 
 
 def test_min_crop_scale_reaches_the_training_crops_and_is_checked_where_declared(capsys):
-    from tutorial_lib.data import base_dataset
+    from tutorial_lib.loading import base_dataset
     from tutorial_lib.train import load_data
     train_ds, _ = load_data(default_args(**{**TINY, "min_crop_scale": 0.35}))
     assert base_dataset(train_ds).transform.scale == (0.35, 1.0)

@@ -13,7 +13,7 @@ from tutorial_lib import train as T
 from tutorial_lib.accel import read_metrics
 from tutorial_lib.checkpoints import latest_checkpoint
 from tutorial_lib.core import count_training_flops
-from tutorial_lib.data import progressive_resolution
+from tutorial_lib.transforms import progressive_resolution
 
 pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
 

@@ -159,7 +159,7 @@ def make_our_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Te
     parameter groups, 05's scheduler, prepared by Accelerate); only the data is `images`/`labels`,
     served again and again by 07's seeded loader. A `max_grad_norm` > 0 turns clipping on."""
     from tutorial_lib.accel import build_accelerator
-    from tutorial_lib.data import build_loaders
+    from tutorial_lib.loading import build_loaders
     from tutorial_lib.train import default_args, resolve_learning_rate, setup_run, train_one_epoch
 
     batch_size = len(images)
@@ -356,7 +356,7 @@ def decode_on_side_stream(items: list[torch.Tensor], img_size: int, device: torc
 
     Decoding then overlaps the training step queued on the current stream, and the batch is made
     safe to use there (see the caveat above). On CPU it simply calls `decode_batch_on_device`."""
-    from tutorial_lib.data import decode_batch_on_device
+    from tutorial_lib.databench import decode_batch_on_device
 
     device = torch.device(device)
     if device.type != "cuda":
@@ -379,7 +379,8 @@ def jpeg_batches(folder: str | os.PathLike, pipeline: str, length: int, batch_si
     `"fast"`: decode + augment on CPU workers. `"gpu"`: workers read bytes, the device decodes. Batches
     are normalized on the device in the model's memory format (the exact strides a compiled model saw
     in warm-up, so it does not recompile). Labels are folded into `num_classes`: only speed is measured."""
-    from tutorial_lib.data import build_datasets, build_loaders, normalize_on_device
+    from tutorial_lib.loading import build_datasets, build_loaders
+    from tutorial_lib.transforms import normalize_on_device
 
     if pipeline not in {"fast", "gpu"}:
         raise ValueError(f"pipeline must be 'fast' (CPU workers) or 'gpu' (device decode), got {pipeline!r}")
@@ -560,7 +561,7 @@ def _cmd_loop(args: argparse.Namespace) -> None:
 
 
 def _cmd_data(args: argparse.Namespace) -> None:
-    from tutorial_lib.data import format_data_benchmark, run_data_benchmark
+    from tutorial_lib.databench import format_data_benchmark, run_data_benchmark
 
     print(format_data_benchmark(run_data_benchmark(args.data_dir, workers=args.workers)))  # table, then JSON
 
@@ -654,7 +655,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     gpu.set_defaults(func=_cmd_gpu)
 
     data = sub.add_parser("data", formatter_class=HelpFormatter,
-                          help="07's baseline vs fast input pipeline (tutorial_lib.data.run_data_benchmark)",
+                          help="07's baseline vs fast input pipeline (tutorial_lib.databench.run_data_benchmark)",
                           description="torchvision's default input pipeline against 07's, images/s per worker.")
     data.add_argument("--data_dir", required=True, default=argparse.SUPPRESS, help="a folder of images (any depth); required")
     data.add_argument("--workers", type=non_negative_int, default=1, help="DataLoader workers of each pipeline")

@@ -87,7 +87,8 @@ def first_files_of_process(data_dir: str | os.PathLike, batch_size: int, process
 
     The training script's sampler is seeded by (seed, epoch) and Accelerate hands batch `i` to process
     `i % num_processes`; corrupting one of these files makes exactly that process fail first (11)."""
-    from tutorial_lib.data import EpochSeededSampler, scan_image_folder
+    from tutorial_lib.loading import EpochSeededSampler
+    from tutorial_lib.sources import scan_image_folder
 
     _, samples = scan_image_folder(Path(data_dir) / "train")
     order = list(EpochSeededSampler(len(samples), seed=seed))

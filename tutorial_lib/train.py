@@ -32,9 +32,9 @@ from .cli import (
     HelpFormatter, OneLineParser, Progress, cli_main, non_negative_float, non_negative_int, number_flag, one_line,
     parse_overrides, positive_float, positive_int)
 from .core import StepTimer, UserError, count_training_flops, global_batch_size, in_notebook, peak_flops_for
-from .data import (
-    EpochSeededDataset, build_datasets, build_loaders, gather_skips, embedded_data_path, normalize_on_device,
-    progressive_resolution, resize_batch, resolve_data_source, seeded_subset)
+from .loading import EpochSeededDataset, build_datasets, build_loaders, gather_skips, seeded_subset
+from .sources import DataSource, embedded_data_path, resolve_data_source
+from .transforms import normalize_on_device, progressive_resolution, resize_batch
 from .optim import make_ema, param_groups
 from .schedules import build_scheduler, num_optimizer_steps, resume_with_flags, scaled_lr
 # the errors, signals, launchers and exit statuses of main() (06a, 06b, 06c)
@@ -236,17 +236,16 @@ def evaluate(model, criterion, val_loader, accelerator, num_classes: int, channe
     return metrics.compute()
 
 # %% ../notebooks/08_training_script.ipynb #4a21dd37
-def load_data(args: argparse.Namespace) -> tuple:
-    """Training and validation datasets of `--path_to_data` (07); training samples seeded per (seed, epoch, index)."""
+def load_data(args: argparse.Namespace, source: DataSource | None = None) -> tuple:
+    """Training and validation datasets of `--path_to_data` (07), each split read once; training samples seeded per
+    (seed, epoch, index). `source`: `--path_to_data` as `check_args` resolved it, so that a run resolves it once."""
     crop, val_size = train_crop_size(args), args.val_img_size or args.img_size
     # what the scan left out (hidden files, .tif...) is said once (07)
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if is_main_process() else None
     try:
-        train_ds, val_ds = build_datasets(args.path_to_data, img_size=crop, pipeline=args.data_pipeline,
-                                          on_bad_file=args.on_bad_file, log=log, scale=(args.min_crop_scale, 1.0))
-        if val_size != crop:  # evaluate at its own resolution (--val_img_size, 10)
-            _, val_ds = build_datasets(args.path_to_data, img_size=val_size, pipeline=args.data_pipeline,
-                                       on_bad_file=args.on_bad_file, log=None)
+        train_ds, val_ds = build_datasets(source or args.path_to_data, img_size=crop, pipeline=args.data_pipeline,
+                                          on_bad_file=args.on_bad_file, log=log, scale=(args.min_crop_scale, 1.0),
+                                          val_img_size=val_size)  # evaluated at its own resolution (--val_img_size, 10)
     except (FileNotFoundError, NotADirectoryError) as err:  # no train/ or val/ folder
         raise MissingPathError(f"--path_to_data: {err}") from None
     train_ds = seeded_subset(train_ds, args.max_train_samples, args.seed)  # --max_train_samples: smoke runs, tests
@@ -495,13 +494,13 @@ def train(args: argparse.Namespace) -> dict:
     accelerator = build_accelerator(args.cpu, args.mixed_precision, args.gradient_accumulation_steps,  # 06
                                     [t for t in args.log_with if t != "none"] or None, run_dir)
     args = resolve_learning_rate(args, accelerator.num_processes)  # the LR of this global batch (05)
-    check_args(args)  # every rule between flags, and the paths: before any data is read
+    source = check_args(args)  # every rule between flags, and the paths: before any data is read
     explicit = args.resume_from_checkpoint not in (None, "", "latest")  # a checkpoint folder: it continues its own run
     lock = claim_run_folder(run_dir, fresh=not args.resume_from_checkpoint, overwrite=args.overwrite, accelerator=accelerator,
                             resume_from=args.resume_from_checkpoint if explicit else None)  # one run per folder (06b)
     try:
         set_seed(args.seed)  # same initial weights on every process (DDP also broadcasts rank 0's)
-        train_ds, val_ds = load_data(args)
+        train_ds, val_ds = load_data(args, source)  # --path_to_data resolved once, each split read once
         num_classes = len(train_ds.classes)
         if args.num_classes is not None and args.num_classes != num_classes:
             raise BadFlagError(f"--num_classes {args.num_classes} but {args.path_to_data} has {num_classes} "
@@ -624,9 +623,10 @@ def check_input_sizes(args: argparse.Namespace, net: nn.Module) -> None:
         raise BadFlagError(f"{what} does not fit --model {args.model} ({error})")
 
 
-def check_args(args: argparse.Namespace) -> None:
+def check_args(args: argparse.Namespace) -> DataSource:
     """The rules that involve several flags, then the paths: before any data is read (cases in 11). Each flag's
-    own value was checked where it is declared, by its `type=` (the command line and `default_args`)."""
+    own value was checked where it is declared, by its `type=` (the command line and `default_args`). Returns
+    `--path_to_data` resolved (07a), for `load_data`."""
     resizing = (args.min_res, args.max_res, args.end_ramp)
     if any(v is not None for v in resizing):
         if None in resizing:
@@ -672,19 +672,20 @@ def check_args(args: argparse.Namespace) -> None:
                                f"--lr_warmup_epochs {0.3 * args.epochs:g})")
         raise BadFlagError("--lr_scheduler onecycle rises during --lr_warmup_epochs: give it more than 0 and at most "
                            f"half the run (e.g. --lr_warmup_epochs {0.3 * args.epochs:g}), not {args.lr_warmup_epochs:g}")
-    check_paths(args)
+    return check_paths(args)
 
 
-def check_paths(args: argparse.Namespace) -> None:
-    """The data exists, a checkpoint to resume from is one, and the run folder is writable."""
+def check_paths(args: argparse.Namespace) -> DataSource:
+    """The data exists, a checkpoint to resume from is one, and the run folder is writable; returns the data source."""
     try:  # class folders, parquet shards, a save_to_disk folder or a Hub id; reads no image (07)
-        resolve_data_source(args.path_to_data)
+        source = resolve_data_source(args.path_to_data)
     except (FileNotFoundError, NotADirectoryError) as err:
         raise MissingPathError(f"--path_to_data: {err}") from None
     run_dir = Path(args.working_directory) / args.experiment_name
     if args.resume_from_checkpoint not in (None, "", "latest"):
         resolve_resume_path(args.resume_from_checkpoint, run_dir)
     check_writable(run_dir, f"--working_directory {args.working_directory}")  # 06b: now, not after the first epoch
+    return source
 
 # %% ../notebooks/08_training_script.ipynb #8c21f546
 RECIPE_V1 = dict(model="resnet50", epochs=90, batch_size=32, lr_base=0.1, lr_base_batch=256, momentum=0.9,
