@@ -231,7 +231,7 @@ def test_unreadable_file_error_names_the_file_and_the_fix(tmp_path, kind):
     with pytest.raises(UnreadableImageError, match=expected):
         load_pil_rgb(path)
     with pytest.raises(UnreadableImageError, match=expected):
-        FastTrainTransform(32)(read_bytes(path), path)
+        FastTrainTransform(32, decode=decode_rgb)(read_bytes(path), path)  # the datasets' decoder
     if kind in ("truncated", "header only"):  # the gpu pipeline checks JPEGs before sending them to nvjpeg
         with pytest.raises(UnreadableImageError, match=expected):
             EncodedTransform()(read_bytes(path), path)
@@ -562,9 +562,9 @@ def test_a_decompression_bomb_is_an_unreadable_image_named_in_every_pipeline(tmp
     expected = rf"cannot decode image {re.escape(str(path))}: its header says .*400,000,000 pixels, over the " \
                r"decompression-bomb limit .*on_bad_file='skip'"
     calls = {"decode_rgb": lambda: decode_rgb(read_bytes(path), path),
-             "fast train": lambda: FastTrainTransform(32)(read_bytes(path), path),
-             "fast val": lambda: FastValTransform(32)(read_bytes(path), path),
-             "no reduced decode": lambda: FastValTransform(32, reduced_decode=False)(read_bytes(path), path),
+             "fast train": lambda: FastTrainTransform(32, decode=decode_rgb)(read_bytes(path), path),  # as the datasets
+             "fast val": lambda: FastValTransform(32, decode=decode_rgb)(read_bytes(path), path),
+             "no reduced decode": lambda: FastValTransform(32, reduced_decode=False, decode=decode_rgb)(read_bytes(path), path),
              "classic": lambda: load_pil_rgb(path),
              "gpu": lambda: EncodedTransform()(read_bytes(path), path)}
     for name, call in calls.items():
