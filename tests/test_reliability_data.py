@@ -399,7 +399,7 @@ def test_hub_retry_lines_are_held_back_before_the_one_line(tmp_path):
     source = parquet_data(tmp_path / "pq")
     files = {"train": str(source / "data" / "train-00000-of-00001.parquet"),
              "validation": str(source / "data" / "validation-00000-of-00001.parquet")}
-    script = (f"FILES = {files!r}\n{stand_in}import sys\nfrom tutorial_lib.data import build_datasets\n"
+    script = (f"FILES = {files!r}\n{stand_in}import sys\nfrom tutorial_lib.loading import build_datasets\n"
               "from tutorial_lib.train import main\n"
               "if sys.argv[1] == 'reachable':\n    build_datasets('someone/reachable', img_size=16)\n"
               "else:\n    main(sys.argv[2:])\n")

@@ -240,7 +240,7 @@ def load_data(args: argparse.Namespace, source: DataSource | None = None) -> tup
     """Training and validation datasets of `--path_to_data` (07), each split read once; training samples seeded per
     (seed, epoch, index). `source`: `--path_to_data` as `check_args` resolved it, so that a run resolves it once."""
     crop, val_size = train_crop_size(args), args.val_img_size or args.img_size
-    # what the scan left out (hidden files, .tif...) is said once (07)
+    # what the scan left out (hidden files, .tif...) is said once (07a)
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if is_main_process() else None
     try:
         train_ds, val_ds = build_datasets(source or args.path_to_data, img_size=crop, pipeline=args.data_pipeline,
@@ -430,7 +430,7 @@ def train_and_evaluate(run: Run, logger: MetricsLogger) -> tuple[list[dict], boo
 
 # %% ../notebooks/08_training_script.ipynb #cc0284a6
 def report_skips(run: Run, epoch: int) -> dict:
-    """Unreadable images `--on_bad_file skip` skipped this epoch on all processes (07's `gather_skips`); the new
+    """Unreadable images `--on_bad_file skip` skipped this epoch on all processes (07d's `gather_skips`); the new
     ones named once in a line, and all of them kept in `TrainState`."""
     (train_n, val_n), names = gather_skips(run.accelerator, [run.train_loader, run.val_loader])
     new = [name for name in names if name not in run.state.bad_files]
@@ -677,7 +677,7 @@ def check_args(args: argparse.Namespace) -> DataSource:
 
 def check_paths(args: argparse.Namespace) -> DataSource:
     """The data exists, a checkpoint to resume from is one, and the run folder is writable; returns the data source."""
-    try:  # class folders, parquet shards, a save_to_disk folder or a Hub id; reads no image (07)
+    try:  # class folders, parquet shards, a save_to_disk folder or a Hub id; reads no image (07a)
         source = resolve_data_source(args.path_to_data)
     except (FileNotFoundError, NotADirectoryError) as err:
         raise MissingPathError(f"--path_to_data: {err}") from None
@@ -720,7 +720,7 @@ def add_run_and_data_flags(group, data) -> None:
     add("--overwrite", action="store_true", help="a new run (or another run's checkpoint resumed) in a folder holding "
         "a run moves that run aside (never deletes)")
     add("--path_to_data", type=user_path, default=str(embedded_data_path()), help="class folders (train/ and val/), "
-        "parquet shards, a save_to_disk folder or a Hub id such as ILSVRC/imagenet-1k (07) (default: the embedded CIFAR-10 subset)")
+        "parquet shards, a save_to_disk folder or a Hub id such as ILSVRC/imagenet-1k (07a) (default: the embedded CIFAR-10 subset)")
     add("--num_classes", type=number_flag(int, 2), default=None, help="inferred from the data; if given it must match")
     add("--model", type=model_name, default=V1["model"], help="torchvision model name, or 'tinycnn'")
     add("--seed", type=non_negative_int, default=0, help="seeds weights, data order and augmentation")
