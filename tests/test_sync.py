@@ -48,16 +48,70 @@ def test_sync_check_catches_a_hand_edited_module(tmp_path):
     assert modules_out_of_sync(repo) == ["tutorial_lib/core.py"]
 
 
-def test_every_exporting_notebook_owns_one_module():
+COURSE_NOTEBOOKS = "[0-9][0-9]*_*.ipynb"  # the main path (NN_slug) and the deep dives (NNa_slug), in reading order
+
+
+def exported_modules(nb_path: Path) -> set[str]:
+    """The modules a notebook writes: its `#| default_exp` and any `#| export <module>` cell."""
+    nb = json.loads(nb_path.read_text())
+    lines = [line.split() for cell in nb["cells"] if cell["cell_type"] == "code"
+             for line in "".join(cell["source"]).splitlines() if line.startswith("#| ")]
+    defaults = [words[-1] for words in lines if words[1] == "default_exp"]
+    assert len(defaults) <= 1, f"{nb_path.name} has several default_exp: {defaults}"
+    return set(defaults) | {words[2] for words in lines if words[1] in ("export", "exporti") and len(words) > 2}
+
+
+def module_owners() -> dict[str, str]:
+    """Module name -> the notebook that exports it (each module has exactly one)."""
     owners: dict[str, str] = {}
-    for nb_path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
-        nb = json.loads(nb_path.read_text())
-        targets = {line.split()[-1] for cell in nb["cells"] if cell["cell_type"] == "code"
-                   for line in "".join(cell["source"]).splitlines() if line.startswith("#| default_exp")}
-        assert len(targets) <= 1, f"{nb_path.name} exports to several modules: {targets}"
-        for module in targets:
+    for nb_path in sorted((ROOT / "notebooks").glob(COURSE_NOTEBOOKS)):
+        for module in exported_modules(nb_path):
             assert module not in owners, f"{module} is exported by both {owners[module]} and {nb_path.name}"
             owners[module] = nb_path.name
+    return owners
+
+
+def test_every_module_is_exported_by_exactly_one_notebook():
+    owners = module_owners()
+    generated = {p.stem for p in (ROOT / "tutorial_lib").glob("*.py") if not p.name.startswith("_")}
+    assert generated == set(owners), f"modules without a notebook: {generated - set(owners)}"
+
+
+def library_imports(module: str) -> set[str]:
+    """The `tutorial_lib` modules that `module` imports, at the top or inside a function."""
+    import ast
+
+    tree = ast.parse((ROOT / "tutorial_lib" / f"{module}.py").read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1:  # from .core import x / from . import core
+                found |= {node.module} if node.module else {a.name for a in node.names}
+            elif node.module and node.module.startswith("tutorial_lib"):
+                rest = node.module.split(".")[1:]
+                found |= {rest[0]} if rest else {a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("tutorial_lib.")}
+    return found - {module, "__init__", "__version__"}
+
+
+def test_a_module_imports_only_modules_of_notebooks_that_sort_before_it():
+    """Read in order, the course never uses what it has not built yet: a module's notebook sorts after the
+    notebooks of every module it imports (00 < 00a < 01 < … < 06 < 06a < 06b < 07 …)."""
+    owners = module_owners()
+    late = {module: sorted(imp for imp in library_imports(module) if imp in owners and owners[imp] >= owners[module])
+            for module in owners}
+    late = {module: imports for module, imports in late.items() if imports}
+    assert not late, f"modules importing modules of later (or the same) notebooks: {late}"
+
+
+def test_the_import_order_check_reads_every_form_of_import(tmp_path, monkeypatch):
+    lib = tmp_path / "tutorial_lib"
+    lib.mkdir()
+    (lib / "m.py").write_text("from .core import a\nfrom . import data\nimport tutorial_lib.train\n"
+                              "def f():\n    from tutorial_lib.bench import x\n    from tutorial_lib import stress\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert library_imports("m") == {"core", "data", "train", "bench", "stress"}
 
 
 @pytest.mark.slow
