@@ -96,6 +96,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                'tutorial_lib/accel.py'),
                                     'tutorial_lib.accel._disk_full_message': ( 'accelerate_fundamentals.html#_disk_full_message',
                                                                                'tutorial_lib/accel.py'),
+                                    'tutorial_lib.accel._in_launched_threads': ( 'accelerate_fundamentals.html#_in_launched_threads',
+                                                                                 'tutorial_lib/accel.py'),
                                     'tutorial_lib.accel._is_main_process': ( 'accelerate_fundamentals.html#_is_main_process',
                                                                              'tutorial_lib/accel.py'),
                                     'tutorial_lib.accel._is_step_folder': ( 'accelerate_fundamentals.html#_is_step_folder',

@@ -72,9 +72,10 @@ def launch_with_timeout(fn, args: tuple = (), num_processes: int = 2, timeout: f
             timer.daemon = True
             timer.start()
         try:
-            with launched_threads(num_processes), contextlib.redirect_stdout(_WithoutLaunchBanner(sys.stdout)), \
+            with launched_threads(), contextlib.redirect_stdout(_WithoutLaunchBanner(sys.stdout)), \
                     _signal_handlers_kept():
-                notebook_launcher(fn, args, num_processes=num_processes, use_port=str(free_port()))
+                notebook_launcher(_in_launched_threads(fn), args, num_processes=num_processes,
+                                  use_port=str(free_port()))
             return
         except Exception as err:
             signum = getattr(err, "sigval", None)  # torch's SignalException: this process received a signal
@@ -103,15 +104,26 @@ def _signal_handlers_kept(names: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP
                 signal.signal(getattr(signal, name), handler)
 
 
-def launched_threads(num_processes: int):
-    """Give each launched process its share of the physical cores through `OMP_NUM_THREADS`, unless it
-    is set. On a CPU accelerate picks the same number itself, but with a warning in every process's
-    output; torchrun sets 1. accelerate's `patch_environment` restores the kernel's own variable."""
-    import psutil
+def launched_threads():
+    """`OMP_NUM_THREADS` for the launched processes: the one set here, else 1 (06). The workers are forked
+    from this process; once it has computed with several OpenMP threads, a forked child's first
+    multi-threaded operation waits forever (GCC's libgomp cannot restart its threads after a fork), so one
+    thread is the only safe default. accelerate's `patch_environment` restores this process's variable."""
     from accelerate.utils import patch_environment
 
-    share = max(1, (psutil.cpu_count(logical=False) or 1) // num_processes)
-    return patch_environment(omp_num_threads=os.environ.get("OMP_NUM_THREADS") or share)
+    return patch_environment(omp_num_threads=os.environ.get("OMP_NUM_THREADS") or 1)
+
+
+def _in_launched_threads(fn):
+    """`fn`, first setting torch's thread count from `OMP_NUM_THREADS`: a forked process keeps its parent's
+    count, which the variable alone no longer changes."""
+
+    @functools.wraps(fn)
+    def run(*args):
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        return fn(*args)
+
+    return run
 
 
 class _WithoutLaunchBanner:
