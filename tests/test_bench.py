@@ -1,4 +1,4 @@
-"""Tests of tutorial_lib.bench (notebook 10): MFU arithmetic, honest timing, step-time accounting,
+"""Tests of tutorial_lib.timing (10) and tutorial_lib.bench (10a): MFU arithmetic, honest timing, step-time accounting,
 the loop-overhead harness, and the GPU benchmark's code path on CPU (and its refusal without CUDA).
 The measuring tools and fast-recipe helpers that the training script uses (StepTimer, MFU, FLOP count,
 peak table, progressive_resolution, resize_batch, make_ema) are exported by notebook 08 (tutorial_lib.train);
@@ -16,11 +16,12 @@ import pytest
 import torch
 import torchvision
 
-from tutorial_lib.bench import (DRY_RUN, RepeatDataset, alternate, build_synthetic_run, format_gpu_table, jpeg_batches,
-                                jpeg_files_and_labels, linked_image_folder, make_bare_step, measure_steps,
-                                median_interval, median_throughput, overhead_ratio, paired_ratios, run_gpu_benchmark,
-                                run_loop_benchmark, time_windows)
+from tutorial_lib.bench import (DRY_RUN, RepeatDataset, build_synthetic_run, format_gpu_table, jpeg_batches,
+                                jpeg_files_and_labels, linked_image_folder, measure_steps, run_gpu_benchmark,
+                                run_loop_benchmark)
 from tutorial_lib.core import StepTimer, count_training_flops, mfu, peak_flops_for, peak_memory_bytes
+from tutorial_lib.timing import (alternate, make_bare_step, median_interval, median_throughput, overhead_ratio,
+                                 paired_ratios, time_windows)
 
 ROOT = Path(__file__).resolve().parents[1]
 

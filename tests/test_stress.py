@@ -1,4 +1,4 @@
-"""tutorial_lib.stress: the kill-anywhere resume harness and its helpers (notebook 11).
+"""tutorial_lib.stress: the kill-anywhere resume harness and its helpers (notebook 11a).
 
 The CI version of the stress run: 2 trials, forked runs (the same `main` as `python -m
 tutorial_lib.train`, without 5 s of imports per run). The full 10-trial run with
@@ -58,7 +58,7 @@ def test_the_default_stress_run_mixes_sigterm_with_sigkill_and_its_plans_do_not_
     kinds = [p.kind for trial in plans for p in trial]
     assert kinds.count("sigterm") >= 5 and kinds.count("during_save") >= 10, kinds
     assert any(p.kind == "sigterm" for p in plans[0]) and any(p.kind == "sigterm" for p in plans[1]), \
-        "the 2 trials of CI and notebook 11 include a SIGTERM"
+        "the 2 trials of CI and notebook 11a include a SIGTERM"
     assert trial_kill_plans(1, 0, 3, 18, 1.5) != plans[0], "another seed, other plans"
 
 
@@ -165,7 +165,7 @@ print(folder)
 
 
 def test_a_kernel_that_used_the_fork_launcher_cleans_up_after_stop_fork_server():
-    """Notebook 11's last cell. A kernel shutting down waits for its child processes; with the fork server
+    """The last cell of notebooks 11 and 11a. A kernel shutting down waits for its child processes; with the fork server
     and the resource tracker still there it waits ~30 s, is killed first, and its scratch folder stays."""
     count_children = "import psutil\nprint(len(psutil.Process().children(recursive=True)))"
     with short_tmpdir() as tmp:
