@@ -256,7 +256,7 @@ def linked_image_folder(folder: str | os.PathLike, dest: str | os.PathLike, max_
                 target.symlink_to(f.resolve())
     return dest
 
-
+# %% ../notebooks/10a_benchmarks.ipynb #10006b0c
 def decode_on_side_stream(items: list[torch.Tensor], img_size: int, device: torch.device | str,
                           stream: "torch.cuda.Stream | None" = None) -> torch.Tensor:
     """07e's `decode_batch_on_device` (nvJPEG + RandomResizedCrop + flip) run on a side CUDA `stream`.
