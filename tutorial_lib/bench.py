@@ -55,7 +55,7 @@ class FixedBatchDataset(torch.utils.data.Dataset):
     def set_epoch(self, epoch: int) -> None:
         """Nothing to reseed: the samples never change (the training script calls this every epoch)."""
 
-
+# %% ../notebooks/10a_benchmarks.ipynb #3488fe07
 def make_our_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, steps: int,
                   num_classes: int, lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 1e-4,
                   gradient_accumulation_steps: int = 1, max_grad_norm: float = 0.0,
@@ -162,7 +162,7 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
         return lambda: torch.cuda.synchronize(device)
     return lambda: None
 
-
+# %% ../notebooks/10a_benchmarks.ipynb #54f15fbb
 def build_synthetic_run(arch: str, config: str, device: torch.device | str, batch_size: int, img_size: int,
                         num_classes: int = 1000, compile_backend: str = "inductor",
                         amp_dtype: torch.dtype | None = torch.bfloat16, seed: int = 0) -> dict:
@@ -240,7 +240,7 @@ def jpeg_files_and_labels(folder: str | os.PathLike, max_files: int | None = Non
     index = {c: i for i, c in enumerate(classes)}
     return files, [index[n] for n in names], classes
 
-
+# %% ../notebooks/10a_benchmarks.ipynb #e18a1d2c
 def linked_image_folder(folder: str | os.PathLike, dest: str | os.PathLike, max_files: int | None = 1000) -> Path:
     """Symlink up to `max_files` JPEGs of `folder` into `dest/train/<class>/`, and one per class into
     `dest/val/<class>/`: the layout 07's `build_datasets` reads (a benchmark repeats files anyway)."""
@@ -277,7 +277,7 @@ def decode_on_side_stream(items: list[torch.Tensor], img_size: int, device: torc
         batch.record_stream(main)  # ... and the allocator keeps it until training has read it
     return batch
 
-
+# %% ../notebooks/10a_benchmarks.ipynb #6491216f
 def jpeg_batches(folder: str | os.PathLike, pipeline: str, length: int, batch_size: int, img_size: int,
                  workers: int, device: torch.device | str, memory_format: torch.memory_format = torch.contiguous_format,
                  num_classes: int = 1000, seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -447,7 +447,7 @@ def _cmd_gpu(args: argparse.Namespace) -> None:
     print(format_gpu_table(result))
     print(_json_line(result, drop={"window_s"}))
 
-
+# %% ../notebooks/10a_benchmarks.ipynb #65cac76b
 def _cmd_loop(args: argparse.Namespace) -> None:
     kwargs = {k: getattr(args, k) for k in LOOP_DEFAULTS}
     try:

@@ -60,7 +60,7 @@ def make_image_folder(root: str | os.PathLike, classes: int = 4, train_per_class
 
 BAD_FILE_KINDS = ("zero_byte", "truncated", "random_bytes", "not_an_image")
 
-
+# %% ../notebooks/11a_stress_harness.ipynb #95ac31e1
 def corrupt_image(path: str | os.PathLike, kind: str, seed: int = 0) -> Path:
     """Damage one image file the way real datasets are damaged (11a).
 
@@ -130,7 +130,7 @@ def child_env(**extra: str) -> dict:
     env.update(extra)
     return {k: v for k, v in env.items() if v is not None}
 
-
+# %% ../notebooks/11a_stress_harness.ipynb #d0825be6
 def _fork_child(module: str, argv: list[str], out_path: str, err_path: str, cwd: str | None, env: dict,
                 small_disk: tuple[str, str] | None) -> None:
     """Body of a forked run: the environment, threads and files of `python -m <module>`, then its `main`."""
@@ -160,7 +160,7 @@ def _fork_child(module: str, argv: list[str], out_path: str, err_path: str, cwd:
     # as `sys.exit(main())` ends a script: the course's mains (00a's cli_main) return None or raise SystemExit(status)
     raise SystemExit(import_module(module).main(argv))
 
-
+# %% ../notebooks/11a_stress_harness.ipynb #ec21f6b3
 def enter_small_disk(folder: str | os.PathLike, size: str) -> None:
     """From now on this process (and its children) see a tmpfs of `size` (e.g. "600k") on `folder`: a disk
     that fills up, to test what a run does then (11a). What `unshare -rm` + `mount -t tmpfs` do, for this
@@ -224,7 +224,7 @@ ACCELERATE_LAUNCHES = {  # launcher -> what `accelerate launch` is given (the sc
     "accelerate_2proc": ["--multi_gpu", "--num_processes", "2"],  # two gloo processes, torchrun's agent
 }  # (1gpu.yaml's bf16 is meant for a GPU: "no" keeps these runs in fp32, like the others)
 
-
+# %% ../notebooks/11a_stress_harness.ipynb #89222dbe
 def accelerate_launch_args(launcher: str) -> list[str]:
     """The `accelerate launch` arguments of `launcher` (one of `ACCELERATE_LAUNCHES`), on a free port."""
     args = [str(config_path(a)) if a.endswith(".yaml") else a for a in ACCELERATE_LAUNCHES[launcher]]
@@ -444,7 +444,7 @@ class KillPlan:
                 "final_save": "while writing model.safetensors", "sigterm": f"SIGTERM {self.seconds:.2f} s into training",
                 "sigint": f"Ctrl-C {self.seconds:.2f} s into training", "never": "never"}[self.kind]
 
-
+# %% ../notebooks/11a_stress_harness.ipynb #082d94a7
 @dataclass
 class KillRecord:
     """What one kill did: whether it landed, the newest complete checkpoint then, and the leftovers; for
@@ -589,7 +589,7 @@ class TrialResult:
 LAUNCHED_AS = {"accelerate": "accelerate launch --num_processes 1", "accelerate_1gpu": "accelerate launch 1gpu.yaml",
                "accelerate_2proc": "accelerate launch, 2 processes"}
 
-
+# %% ../notebooks/11a_stress_harness.ipynb #0f727580
 def metrics_match(a: list[dict], b: list[dict]) -> bool:
     """Same epochs with the same metrics: exact for validation, counts and LR; train metrics to 1e-6
     (a mid-epoch resume merges two float32 partial means in float64)."""
@@ -621,7 +621,7 @@ def sigterm_problem(kill: KillRecord, final_step: int) -> str:
                 f"checkpoint is step {kill.complete_step}")
     return ""
 
-
+# %% ../notebooks/11a_stress_harness.ipynb #2e30272f
 def run_trial(trial: int, seed: int, workdir: Path, options: dict, reference: dict, kills_per_trial: int,
               launcher: str, timeout: float, kinds: tuple[str, ...] = KILL_KINDS) -> TrialResult:
     """Start, kill (`kills_per_trial` seeded kills: SIGKILL, or SIGTERM or Ctrl-C that must end in a checkpoint and
@@ -743,7 +743,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     resume.add_argument("--epochs", type=positive_int, default=STRESS_RUN["epochs"], help="epochs of each run")
     return parser
 
-
+# %% ../notebooks/11a_stress_harness.ipynb #da67f0ab
 def run_command(args: argparse.Namespace) -> int:
     """`resume` with the parsed flags: 0 when every trial ends with bitwise-identical weights, 1 otherwise."""
     if args.workdir and os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
