@@ -146,7 +146,7 @@ def _refuse_what_cannot_work(accelerator, asked_cpu: bool) -> None:
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #0581ab50
 def build_accelerator(cpu: bool = False, mixed_precision: str | None = None, gradient_accumulation_steps: int = 1,
                       log_with: list[str] | None = None, project_dir: str | os.PathLike | None = None):
-    """The `Accelerator` of a training run (08a, and 10's benchmark of its step).
+    """The `Accelerator` of a training run (08a, and 10a's benchmark of its step).
 
     Forgets a previous `Accelerator` of this process first (several runs in one notebook). Steps the
     scheduler only when told (`step_scheduler_with_optimizer=False`, 05/08a), copies batches to the GPU

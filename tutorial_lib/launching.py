@@ -176,7 +176,7 @@ EXIT_STATUS_ENV = "TUTORIAL_EXIT_STATUS_FILE"
 
 
 def record_exit_status(status: int) -> None:
-    """Write this process's exit status to the file named by `$TUTORIAL_EXIT_STATUS_FILE`, if set (06c, 11).
+    """Write this process's exit status to the file named by `$TUTORIAL_EXIT_STATUS_FILE`, if set (06c, 11a).
 
     `accelerate launch` turns every non-zero status of its processes into 1 (with its own traceback): a job script
     that must tell a polite stop (143) from a bad input (2) reads this file instead. The main process's status

@@ -624,7 +624,7 @@ def check_input_sizes(args: argparse.Namespace, net: nn.Module) -> None:
 
 
 def check_args(args: argparse.Namespace) -> DataSource:
-    """The rules that involve several flags, then the paths: before any data is read (cases in 11). Each flag's
+    """The rules that involve several flags, then the paths: before any data is read (cases in 11a). Each flag's
     own value was checked where it is declared, by its `type=` (the command line and `default_args`). Returns
     `--path_to_data` resolved (07a), for `load_data`."""
     resizing = (args.min_res, args.max_res, args.end_ramp)
