@@ -801,7 +801,7 @@ def add_speed_and_checkpoint_flags(group, checkpoints) -> None:
     add_checkpoint("--stop_after_steps", type=positive_int, default=None,
                    help="checkpoint and stop after this many optimizer steps in all (simulates a preemption)")
     add_checkpoint("--inject_nan_at_steps", type=positive_int, nargs="*", default=None,
-                   help=argparse.SUPPRESS)  # testing hook of notebook 11: NaN loss at these optimizer steps
+                   help=argparse.SUPPRESS)  # testing hook of notebook 11a: NaN loss at these optimizer steps
 
 # %% ../notebooks/08_training_script.ipynb #337852c2
 def default_args(**overrides) -> argparse.Namespace:
@@ -821,7 +821,7 @@ SHARED_ERRORS = (BadFlagError, LaunchError, RunFolderError, NonFiniteLossError, 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `tutorial-train` and `python -m tutorial_lib.train`: 00a's `cli_main`. A user error prints one
-    line and exits 2, a NaN/Inf loss 3, no traceback (11), said once per launch; SIGTERM/SIGUSR1 and Ctrl-C
+    line and exits 2, a NaN/Inf loss 3, no traceback (11a), said once per launch; SIGTERM/SIGUSR1 and Ctrl-C
     checkpoint and exit 143/138/130; a second Ctrl-C stops at once (130). Bugs keep their traceback. The status also
     goes to `$TUTORIAL_EXIT_STATUS_FILE` when set (06c's `record_exit_status`): `accelerate launch` reports 1 for all."""
     cli_main(get_args_parser(), run_command, argv, process=process_index(), shared=SHARED_ERRORS,
