@@ -235,11 +235,17 @@ def test_latest_resumes_the_newest_checkpoint_and_starts_fresh_without_one(tmp_p
     assert [r["epoch"] for r in rows(tmp_path / "job")] == [0, 1]
 
 
-# The tolerance comes from runs of this test's setting measured once, 8 seeds of each script (see TOLERANCE below).
-TOLERANCE = 6.0
-EQUIVALENCE = dict(model="resnet18", img_size=32, min_crop_scale=0.5, epochs=3, batch_size=32, learning_rate=0.05,
+# The README's recipe, shrunk for CI: ResNet18 at 32 px, 1,000 training and 400 validation images, 3 epochs.
+EQUIVALENCE = dict(model="resnet18", img_size=32, min_crop_scale=0.5, epochs=3, batch_size=16, learning_rate=0.05,
                    lr_scheduler="cosine", lr_warmup_epochs=0.5, zero_init_residual=True, label_smoothing=0.1,
                    num_workers=0, cpu=True, log_with="none")
+# Measured once with these runs (seeds other than the test's, in-process, on a shared 2-core VM): the final top-1 of
+# one run moves from seed to seed with a standard deviation of 1.2-2.4 points (1.2 and 2.1 for the two scripts over 8
+# seeds at batch 32, mean 18.3 and 16.7 %; 1.4 and 2.4 over 3 seeds at batch 16, mean 22.9 and 23.9 %). With 2 seeds
+# each, the gap between the two means has a standard deviation of at most about 2.4 points; 7 points is about 3 of
+# them: two scripts that train alike fail this test well under 1 % of the time; a script stuck near chance (10 %)
+# while the other learns fails it.
+TOLERANCE = 7.0
 
 
 @pytest.mark.slow
