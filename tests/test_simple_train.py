@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from tutorial_lib import simple_train
 from tutorial_lib.core import free_port
-from tutorial_lib.data import embedded_data_path
+from tutorial_lib.sources import embedded_data_path
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "tutorial_lib" / "simple_train.py"

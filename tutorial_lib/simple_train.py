@@ -233,7 +233,7 @@ def start_run(accelerator, args, run_dir: Path, checkpoint: Path | None) -> RunS
         accelerator.load_state(checkpoint)
         accelerator.print(f"resumed from {checkpoint}: epoch {state.epoch}, {state.batches_done} batches into it")
     if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)  # fixed (06): the video never made it, and crashed after epoch 1
+        run_dir.mkdir(parents=True, exist_ok=True)  # fixed (06b): the video never made it, and crashed after epoch 1
     wandb = {"id": state.wandb_id, "resume": "allow", "name": args.experiment_name, "dir": str(run_dir)}
     accelerator.init_trackers(args.wandb_project, config=vars(args), init_kwargs={"wandb": wandb})
     return state
