@@ -25,12 +25,12 @@ from .accel import (
 from .checkpoints import (
     TrainState, atomic_write_text, model_signature, resolve_resume_path, resume_state, save_checkpoint, save_final_model)
 from .runs import (
-    NonFiniteGuard, NonFiniteLossError, StopRequest, check_free_space, check_writable, claim_run_folder, cut_metrics,
-    run_outputs, write_run_config)
+    NonFiniteGuard, NonFiniteLossError, StopRequest, check_free_space, check_writable, checkpoint_size, claim_run_folder,
+    cut_metrics, run_outputs, write_run_config)
 from .trackers import check_trackers, start_trackers
 from .cli import (
-    HelpFormatter, OneLineParser, Progress, cli_main, non_negative_float, non_negative_int, number_flag, one_line,
-    parse_overrides, positive_float, positive_int)
+    HelpFormatter, OneLineParser, Progress, cli_main, model_name, non_negative_float, non_negative_int, number_flag,
+    one_line, parse_overrides, positive_float, positive_int, run_name, user_path)
 from .core import StepTimer, UserError, count_training_flops, global_batch_size, in_notebook, peak_flops_for
 from .loading import EpochSeededDataset, build_datasets, build_loaders, gather_skips, seeded_subset
 from .sources import DataSource, embedded_data_path, resolve_data_source
@@ -47,11 +47,11 @@ from .runs import StopAtOnce
 __all__ = ['TIMING_KEYS', 'WARMUP_CAP', 'WATCHED_FLAGS', 'RECIPE_V1', 'SHARED_ERRORS', 'BadFlagError', 'build_model', 'Run',
            'EpochResult', 'train_crop_size', 'train_resolution', 'train_step', 'train_one_epoch', 'log_step',
            'save_run_checkpoint', 'evaluate', 'load_data', 'resolve_learning_rate', 'build_optimizer',
-           'build_training_scheduler', 'checkpoint_size', 'setup_run', 'resume_run', 'open_outputs',
-           'train_and_evaluate', 'report_skips', 'epoch_row', 'finish_run', 'train', 'model_name', 'run_name',
-           'user_path', 'meta_model', 'input_size_error', 'smallest_input_size', 'check_input_sizes', 'check_args',
-           'check_paths', 'get_args_parser', 'add_run_and_data_flags', 'add_optimisation_flags',
-           'add_speed_and_checkpoint_flags', 'default_args', 'error_line', 'main', 'run_command']
+           'build_training_scheduler', 'setup_run', 'resume_run', 'open_outputs', 'train_and_evaluate', 'report_skips',
+           'epoch_row', 'finish_run', 'train', 'meta_model', 'input_size_error', 'smallest_input_size',
+           'check_input_sizes', 'check_args', 'check_paths', 'get_args_parser', 'add_run_and_data_flags',
+           'add_optimisation_flags', 'add_speed_and_checkpoint_flags', 'default_args', 'error_line', 'main',
+           'run_command']
 
 # %% ../notebooks/08a_production_script.ipynb #774e706e
 class BadFlagError(UserError, ValueError):
@@ -300,18 +300,6 @@ def build_training_scheduler(optimizer: torch.optim.Optimizer, args: argparse.Na
                            milestones=milestones, min_lr=args.lr_min)
 
 # %% ../notebooks/08a_production_script.ipynb #ac50fc0f
-def checkpoint_size(model: nn.Module, args: argparse.Namespace, ema: nn.Module | None = None) -> int:
-    """About how many bytes one checkpoint of this run takes: weights and buffers, SGD's momentum buffer for every
-    parameter, the EMA's copy (--ema), and 64 KB for the small files (scheduler, RNG states, progress, manifest)."""
-    size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
-    total = size(model.state_dict().values()) + 64 * 1024
-    if args.momentum:
-        total += size(p for p in model.parameters() if p.requires_grad)
-    if ema is not None:
-        total += size(ema.state_dict().values())
-    return total
-
-
 def setup_run(args: argparse.Namespace, accelerator, model: nn.Module, train_loader, val_loader,
               num_classes: int, run_dir: str | os.PathLike) -> Run:
     """Prepare model, optimizer and loaders with Accelerate, then the schedule, `--compile` and `--ema`."""
@@ -341,7 +329,7 @@ def setup_run(args: argparse.Namespace, accelerator, model: nn.Module, train_loa
                train_model=train_model, criterion=nn.CrossEntropyLoss(label_smoothing=args.label_smoothing),
                optimizer=optimizer, scheduler=scheduler, train_loader=train_loader, val_loader=val_loader, ema=ema,
                checkpoint_meta=meta, peak_flops=peak_flops_for(device_name, args.peak_tflops),
-               checkpoint_bytes=checkpoint_size(accelerator.unwrap_model(model), args, ema))
+               checkpoint_bytes=checkpoint_size(accelerator.unwrap_model(model), bool(args.momentum), ema))
 
 
 def resume_run(run: Run) -> None:
@@ -526,44 +514,6 @@ def train(args: argparse.Namespace) -> dict:
             lock.release()
             if new_folder and not run_outputs(run_dir) and not (run_dir / "config.json").exists():
                 shutil.rmtree(run_dir, ignore_errors=True)  # a start that failed leaves no empty run folder
-
-# %% ../notebooks/08a_production_script.ipynb #c98fb14e
-def model_name(text: str) -> str:
-    """An argparse `type=` for `--model`: `tinycnn` or a torchvision classification model."""
-    import torchvision
-
-    available = torchvision.models.list_models(module=torchvision.models)
-    if text != "tinycnn" and text not in available:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a torchvision classification model; use 'tinycnn' or "
-                                         f"one of e.g. resnet18, resnet50, mobilenet_v3_small ({len(available)} available)")
-    return text
-
-
-def run_name(text: str) -> str:
-    """An argparse `type=` for `--experiment_name`: a folder inside `--working_directory`, normalised (`a/./b/` ->
-    `a/b`). Empty, `.`, absolute, or leading out of it (`..` first once normalised, as in `a/../..`) is refused: the run would write
-    into the working directory itself (and `--overwrite` move every other run aside with it) or outside it."""
-    name = os.path.normpath(text) if text.strip() else ""
-    fix = "name a folder inside it, e.g. --experiment_name resnet50_v1"
-    if not name:
-        raise argparse.ArgumentTypeError(f"{text!r} is empty: the run's files would go into --working_directory itself, "
-                                         f"among its other runs; {fix}")
-    if os.path.isabs(name):
-        raise argparse.ArgumentTypeError(f"{text!r} is an absolute path, but the run folder is <working_directory>/"
-                                         "<experiment_name>: pass the parent folder as --working_directory and the last "
-                                         "part as --experiment_name")
-    if name == os.curdir:
-        raise argparse.ArgumentTypeError(f"{text!r} names --working_directory itself, where the other runs are; {fix}")
-    if name.split(os.sep)[0] == os.pardir:
-        raise argparse.ArgumentTypeError(f"{text!r} leads out of --working_directory (to {name}); {fix}, or choose "
-                                         "another --working_directory")
-    return name
-
-
-def user_path(text: str) -> str:
-    """An argparse `type=` for the path flags: `~` and `~user` expanded, as a shell does for an unquoted word but not
-    in `--flag=~/x`, in quotes, or in a config file or job script that passes the flag on."""
-    return os.path.expanduser(text)
 
 # %% ../notebooks/08a_production_script.ipynb #a7b99c1b
 def meta_model(name: str) -> nn.Module | None:
