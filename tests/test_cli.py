@@ -65,6 +65,11 @@ def command_lines(tmp: Path) -> dict:
         "train": (["--epochs", "0"], "tutorial-train: error: --epochs must be >= 1, got 0",
                   ["--cpu", "--log_with", "none", "--path_to_data", str(tmp / "nowhere"), "--working_directory",
                    str(tmp / "runs")], f"tutorial-train: error: --path_to_data: data folder {tmp / 'nowhere'} does not exist"),
+        # the one-file script (08) imports nothing of the course, so not cli_main either: the same convention by hand
+        "simple_train": (["--path_to_data", str(tmp), "--epochs", "0"],
+                         "simple_train: error: argument --epochs: expected a whole number of at least 1, got '0'",
+                         ["--path_to_data", str(tmp / "nowhere")],
+                         f"simple_train: error: --path_to_data {tmp / 'nowhere'} needs train/<class>/"),
     }
 
 
@@ -74,7 +79,7 @@ def test_every_module_with_a_main_is_a_command_line_checked_here(tmp_path):
     assert with_main == set(command_lines(tmp_path)), with_main
 
 
-@pytest.mark.parametrize("module", ["cli", "data", "databench", "bench", "stress", "train"])
+@pytest.mark.parametrize("module", ["cli", "data", "databench", "bench", "stress", "train", "simple_train"])
 def test_every_command_line_says_a_bad_flag_and_a_wrong_input_in_one_line_with_status_2(module, tmp_path, capsys,
                                                                                          monkeypatch):
     monkeypatch.delenv("RANK", raising=False)

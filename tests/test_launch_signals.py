@@ -1,4 +1,4 @@
-"""Signals and exit statuses on every launch path of `tutorial_lib.train` (notebooks 06b, 06c, 08, 11).
+"""Signals and exit statuses on every launch path of `tutorial_lib.train` (notebooks 06b, 06c, 08a, 11).
 
 SIGTERM to a one-process `accelerate launch` (plain subprocess or torchrun's agent), to a 2-process one and to a
 process running `notebook_launcher` must reach the training, which checkpoints and stops, and the resumed run must

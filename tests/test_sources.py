@@ -169,7 +169,7 @@ def test_parquet_samples_match_the_folders_sample_by_sample(hub_parquet):
     assert pq_train.targets == dir_train.targets and pq_val.targets == dir_val.targets
     for ds_pq, ds_dir in [(pq_train, dir_train), (pq_val, dir_val)]:
         for i in range(0, len(ds_dir), 131):
-            random.seed(i)  # the random state the training script sets for each sample (08)
+            random.seed(i)  # the random state the training script sets for each sample (08a)
             x_pq, y_pq = ds_pq[i]
             random.seed(i)
             x_dir, y_dir = ds_dir[i]

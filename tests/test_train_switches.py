@@ -1,5 +1,5 @@
 """The training script's fast-recipe switches and step-time accounting (issue 6; the helpers are exported
-by notebook 08, section 5, and measured in notebook 10).
+by notebook 08a, section 5, and measured in notebook 10).
 
 Each switch is off by default, runs on CPU, and changes what it should; every epoch's row in
 metrics.jsonl carries the StepTimer numbers."""

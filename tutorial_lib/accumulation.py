@@ -83,7 +83,7 @@ def toy_batch(batch_size: int, img_size: int = 16, num_classes: int = 10, seed: 
 class TinyCNN(nn.Sequential):
     """Three 3×3 convolutions and a linear head, without any normalisation layer.
 
-    The training script's `--model tinycnn` (08): its tests compare set-ups that must give the same
+    The training script's `--model tinycnn` (08a): its tests compare set-ups that must give the same
     gradients (accumulation here, DDP in 02), which BatchNorm's per-batch statistics would break."""
 
     def __init__(self, num_classes: int = 10, width: int = 16):

@@ -18,8 +18,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from .cli import (HelpFormatter, OneLineParser, cli_main, non_negative_float, non_negative_int, number_flag,
-                              positive_float, positive_int)
+from .cli import (HelpFormatter, OneLineParser, cli_main, model_name, non_negative_float, non_negative_int,
+                              number_flag, positive_float, positive_int)
 from .core import count_training_flops, in_notebook, mfu, peak_flops_for, peak_memory_bytes, seed_everything
 from .timing import (
     alternate, make_bare_step, median_interval, median_throughput, overhead_ratio, paired_ratios, time_windows)
@@ -473,14 +473,6 @@ def _cmd_data(args: argparse.Namespace) -> None:
     print(format_data_benchmark(run_data_benchmark(args.data_dir, workers=args.workers)))  # table, then JSON
 
 # %% ../notebooks/10a_benchmarks.ipynb #46b2de5d
-def _model_name(text: str) -> str:
-    """`--model`: the training script's check (08a's `model_name`: a torchvision model or tinycnn), imported only when
-    a value is parsed, so that `--help` stays light."""
-    from tutorial_lib.train import model_name
-
-    return model_name(text)
-
-
 def device_name(text: str) -> str:
     """An argparse `type=` for `--device`: anything `torch.device` accepts (cuda, cuda:1, cpu)."""
     try:
@@ -492,7 +484,7 @@ def device_name(text: str) -> str:
 
 # flag -> (name in LOOP_DEFAULTS / GPU_DEFAULTS, type, help); names as the training script spells them (08a)
 _SIZE_FLAGS = {
-    "model": ("arch", _model_name, "torchvision model, or tinycnn"),
+    "model": ("arch", model_name, "torchvision model, or tinycnn"),
     "img_size": ("img_size", positive_int, "image side in pixels"),
     "batch_size": ("batch_size", positive_int, "images per step"),
     "num_classes": ("num_classes", positive_int, "classes of the model's last layer"),

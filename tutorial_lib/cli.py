@@ -18,9 +18,9 @@ from .core import SMOKE_ENV_VAR, UserError, environment_report, in_notebook
 
 # %% auto #0
 __all__ = ['positive_int', 'non_negative_int', 'positive_float', 'non_negative_float', 'COURSE_NOTEBOOKS', 'number_flag',
-           'OneLineParser', 'HelpFormatter', 'one_line', 'exit_code', 'cli_main', 'as_flags', 'parse_overrides',
-           'format_size', 'Progress', 'config_path', 'course_notebooks', 'run_notebooks', 'get_args_parser',
-           'run_command', 'main']
+           'OneLineParser', 'HelpFormatter', 'model_name', 'run_name', 'user_path', 'one_line', 'exit_code', 'cli_main',
+           'as_flags', 'parse_overrides', 'format_size', 'Progress', 'config_path', 'course_notebooks', 'run_notebooks',
+           'get_args_parser', 'run_command', 'main']
 
 # %% ../notebooks/00a_course_tools.ipynb #abf5a5d3
 def number_flag(kind: type, low: float | None = None, high: float | None = None, low_open: bool = False,
@@ -79,6 +79,44 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         if action.help and "(default:" in action.help:
             return action.help
         return super()._get_help_string(action)
+
+# %% ../notebooks/00a_course_tools.ipynb #c98fb14e
+def model_name(text: str) -> str:
+    """An argparse `type=` for `--model`: `tinycnn` or a torchvision classification model."""
+    import torchvision
+
+    available = torchvision.models.list_models(module=torchvision.models)
+    if text != "tinycnn" and text not in available:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torchvision classification model; use 'tinycnn' or "
+                                         f"one of e.g. resnet18, resnet50, mobilenet_v3_small ({len(available)} available)")
+    return text
+
+
+def run_name(text: str) -> str:
+    """An argparse `type=` for `--experiment_name`: a folder inside `--working_directory`, normalised (`a/./b/` ->
+    `a/b`). Empty, `.`, absolute, or leading out of it (`..` first once normalised, as in `a/../..`) is refused: the run would write
+    into the working directory itself (and `--overwrite` move every other run aside with it) or outside it."""
+    name = os.path.normpath(text) if text.strip() else ""
+    fix = "name a folder inside it, e.g. --experiment_name resnet50_v1"
+    if not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is empty: the run's files would go into --working_directory itself, "
+                                         f"among its other runs; {fix}")
+    if os.path.isabs(name):
+        raise argparse.ArgumentTypeError(f"{text!r} is an absolute path, but the run folder is <working_directory>/"
+                                         "<experiment_name>: pass the parent folder as --working_directory and the last "
+                                         "part as --experiment_name")
+    if name == os.curdir:
+        raise argparse.ArgumentTypeError(f"{text!r} names --working_directory itself, where the other runs are; {fix}")
+    if name.split(os.sep)[0] == os.pardir:
+        raise argparse.ArgumentTypeError(f"{text!r} leads out of --working_directory (to {name}); {fix}, or choose "
+                                         "another --working_directory")
+    return name
+
+
+def user_path(text: str) -> str:
+    """An argparse `type=` for the path flags: `~` and `~user` expanded, as a shell does for an unquoted word but not
+    in `--flag=~/x`, in quotes, or in a config file or job script that passes the flag on."""
+    return os.path.expanduser(text)
 
 # %% ../notebooks/00a_course_tools.ipynb #1feea00b
 def one_line(err: BaseException) -> str:
@@ -169,7 +207,7 @@ class Progress:
 
     `update(n)`, `set_postfix(**values)` (shown on the bar, or at the end of the next line) and `close()`, as
     tqdm. `unit="B"` counts bytes (MB, GB, MB/s); `summary=True` ends with a line of how much in how long. Taught
-    in 00a; the training script (08) shows one per epoch, the data tools (07b) one per job."""
+    in 00a; the training script (08a) shows one per epoch, the data tools (07b) one per job."""
 
     def __init__(self, total: int, desc: str = "", initial: int = 0, unit: str = "it", interval: float = 30.0,
                  file=None, disable: bool = False, summary: bool = False):
@@ -223,7 +261,7 @@ class Progress:
 
 # %% ../notebooks/00a_course_tools.ipynb #1dfe414a
 def config_path(name: str) -> Path:
-    """Path of an accelerate config or SLURM script shipped in `tutorial_lib/configs/` (launch commands in 08, 12)."""
+    """Path of an accelerate config or SLURM script shipped in `tutorial_lib/configs/` (launch commands in 08a, 12)."""
     from importlib.resources import files
 
     folder = Path(str(files("tutorial_lib") / "configs"))

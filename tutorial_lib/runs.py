@@ -22,7 +22,8 @@ from .core import UserError
 
 # %% auto #0
 __all__ = ['RUN_LOCK', 'RUN_OUTPUTS', 'RunLock', 'run_outputs', 'check_writable', 'claim_run_folder', 'write_run_config',
-           'cut_metrics', 'check_free_space', 'NonFiniteLossError', 'NonFiniteGuard', 'StopAtOnce', 'StopRequest']
+           'cut_metrics', 'check_free_space', 'checkpoint_size', 'NonFiniteLossError', 'NonFiniteGuard', 'StopAtOnce',
+           'StopRequest']
 
 # %% ../notebooks/06b_run_safety.ipynb #f1cd8293
 RUN_LOCK = ".run.lock"
@@ -193,6 +194,19 @@ def check_free_space(run_dir: str | os.PathLike, need: int, accelerator=None) ->
         raise DiskFullError(f"not enough space on the disk of {run_dir} for a checkpoint: one needs about "
                             f"{format_bytes(need)}, {format_bytes(free)} are free; free some space or choose another "
                             "--working_directory")
+
+
+def checkpoint_size(model: torch.nn.Module, momentum: bool, ema: torch.nn.Module | None = None) -> int:
+    """About how many bytes one checkpoint of this run takes: weights and buffers, SGD's momentum buffer for every
+    parameter (if `momentum`), the EMA's copy (--ema), and 64 KB for the small files (scheduler, RNG states,
+    progress, manifest)."""
+    size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
+    total = size(model.state_dict().values()) + 64 * 1024
+    if momentum:
+        total += size(p for p in model.parameters() if p.requires_grad)
+    if ema is not None:
+        total += size(ema.state_dict().values())
+    return total
 
 # %% ../notebooks/06b_run_safety.ipynb #5d1ec69d
 class NonFiniteLossError(RuntimeError):
