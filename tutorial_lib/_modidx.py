@@ -233,6 +233,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'tutorial_lib.cli.run_command': ('course_tools.html#run_command', 'tutorial_lib/cli.py'),
                                   'tutorial_lib.cli.run_name': ('course_tools.html#run_name', 'tutorial_lib/cli.py'),
                                   'tutorial_lib.cli.run_notebooks': ('course_tools.html#run_notebooks', 'tutorial_lib/cli.py'),
+                                  'tutorial_lib.cli.run_on_user_files': ('course_tools.html#run_on_user_files', 'tutorial_lib/cli.py'),
                                   'tutorial_lib.cli.user_path': ('course_tools.html#user_path', 'tutorial_lib/cli.py')},
             'tutorial_lib.core': { 'tutorial_lib.core.StepClock': ('introduction.html#stepclock', 'tutorial_lib/core.py'),
                                    'tutorial_lib.core.StepClock.__init__': ('introduction.html#stepclock.__init__', 'tutorial_lib/core.py'),

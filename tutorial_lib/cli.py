@@ -19,8 +19,8 @@ from .core import SMOKE_ENV_VAR, UserError, environment_report, in_notebook
 # %% auto #0
 __all__ = ['positive_int', 'non_negative_int', 'positive_float', 'non_negative_float', 'COURSE_NOTEBOOKS', 'number_flag',
            'OneLineParser', 'HelpFormatter', 'model_name', 'run_name', 'user_path', 'one_line', 'exit_code', 'cli_main',
-           'as_flags', 'parse_overrides', 'format_size', 'Progress', 'config_path', 'course_notebooks', 'run_notebooks',
-           'get_args_parser', 'run_command', 'main']
+           'run_on_user_files', 'as_flags', 'parse_overrides', 'format_size', 'Progress', 'config_path',
+           'course_notebooks', 'run_notebooks', 'get_args_parser', 'run_command', 'main']
 
 # %% ../notebooks/00a_course_tools.ipynb #abf5a5d3
 def number_flag(kind: type, low: float | None = None, high: float | None = None, low_open: bool = False,
@@ -166,6 +166,25 @@ def cli_main(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace]
         on_exit(status)
     if status:
         raise SystemExit(status)
+
+# %% ../notebooks/00a_course_tools.ipynb #caa42273
+def run_on_user_files(action: Callable[[], object], interrupted: str = "interrupted") -> int | None:
+    """Run a tool's `action` on the files the user named, for a `run` of `cli_main`: output piped into `head` (a
+    broken pipe) ends with status 0; Ctrl-C says `interrupted` and ends with 130; an `OSError` or `ValueError` (a
+    file missing, unreadable or malformed, a full disk) is a `UserError`, one line and status 2. A bug keeps its
+    traceback. The data tools (07b) and the data benchmark (07e) run this way."""
+    try:
+        action()
+    except BrokenPipeError:  # output piped into `head`: not an error of ours
+        return 0
+    except KeyboardInterrupt:
+        print(interrupted, file=sys.stderr)
+        return 130
+    except UserError:
+        raise
+    except (OSError, ValueError) as err:  # the files named on the command line
+        raise UserError(str(err)) from None
+    return None
 
 # %% ../notebooks/00a_course_tools.ipynb #80c37d6f
 def as_flags(options: dict) -> list[str]:

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .accel import MissingPathError
-from .cli import HelpFormatter, OneLineParser, Progress, cli_main, format_size, positive_float
-from .core import UserError, in_notebook
+from .cli import (HelpFormatter, OneLineParser, Progress, cli_main, format_size, positive_float,
+                              run_on_user_files)
+from .core import in_notebook
 from .sources import (IMG_EXTENSIONS, OFFICIAL_ARCHIVES, DataLayoutError, DataSourceError, ScanReport,
                                   error_reason, find_split_dirs, folder_listing, is_image_name, require_datasets,
                                   scan_image_folder)
@@ -655,22 +656,16 @@ def run_command(args: argparse.Namespace) -> int | None:
     for key in ("val_dir", "mapping", "out", "src", "archive_dir"):  # "~/imagenet", quoted: as the shell would
         if getattr(args, key, None):
             setattr(args, key, os.path.expanduser(getattr(args, key)))
-    try:
+
+    def act() -> None:
         if args.command == "prepare-val":
             prepare_val(args.val_dir, args.mapping, apply=args.apply, link=args.link, out_dir=args.out)
         elif args.command == "shard":
             print(write_shards(args.src, args.out, shard_mb=args.shard_mb, progress_interval=args.progress_interval))
         else:
             from_archives(args.archive_dir, args.out, progress_interval=args.progress_interval)
-    except BrokenPipeError:  # output piped into `head`: not an error of ours
-        return 0
-    except KeyboardInterrupt:
-        print("interrupted: run the same command again to continue where it stopped", file=sys.stderr)
-        return 130
-    except UserError:
-        raise
-    except (OSError, ValueError) as err:  # the files named on the command line: missing, unreadable, malformed, a full disk
-        raise UserError(str(err)) from None
+
+    return run_on_user_files(act, "interrupted: run the same command again to continue where it stopped")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,8 +17,9 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from .cli import HelpFormatter, OneLineParser, cli_main, non_negative_int, positive_int
-from .core import UserError, in_notebook
+from .cli import (HelpFormatter, OneLineParser, cli_main, non_negative_int, positive_int,
+                              run_on_user_files)
+from .core import in_notebook
 from .data import hub_features, shard_table
 from .decoding import decode_rgb
 from .loading import ImageDataset, pipeline_transforms, stack_images
@@ -264,20 +265,9 @@ def get_args_parser() -> argparse.ArgumentParser:
 def run_command(args: argparse.Namespace) -> int | None:
     """What `python -m tutorial_lib.databench` does with its flags; a missing folder or one without images is a
     `UserError` (one line, exit status 2)."""
-    try:
-        print_data_benchmark(run_data_benchmark(os.path.expanduser(args.data_dir), workers=args.workers,
-                                                img_size=args.img_size, batch_size=args.batch_size,
-                                                max_images=args.max_images, repeats=args.repeats, rounds=args.rounds,
-                                                parquet=not args.no_parquet))
-    except BrokenPipeError:  # output piped into `head`: not an error of ours
-        return 0
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except UserError:
-        raise
-    except (OSError, ValueError) as err:  # the folder named on the command line: missing, unreadable
-        raise UserError(str(err)) from None
+    return run_on_user_files(lambda: print_data_benchmark(run_data_benchmark(
+        os.path.expanduser(args.data_dir), workers=args.workers, img_size=args.img_size, batch_size=args.batch_size,
+        max_images=args.max_images, repeats=args.repeats, rounds=args.rounds, parquet=not args.no_parquet)))
 
 
 def main(argv: list[str] | None = None) -> None:
