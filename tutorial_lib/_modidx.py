@@ -376,8 +376,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                    'tutorial_lib/launching.py'),
                                         'tutorial_lib.launching.launch_with_timeout': ( 'launching.html#launch_with_timeout',
                                                                                         'tutorial_lib/launching.py'),
-                                        'tutorial_lib.launching.launched_threads': ( 'launching.html#launched_threads',
-                                                                                     'tutorial_lib/launching.py'),
                                         'tutorial_lib.launching.launcher_name': ( 'launching.html#launcher_name',
                                                                                   'tutorial_lib/launching.py'),
                                         'tutorial_lib.launching.read_exit_status': ( 'launching.html#read_exit_status',

@@ -18,8 +18,8 @@ from .accel import is_main_process
 from .core import fork_safe, free_port
 
 # %% auto #0
-__all__ = ['LAUNCHERS', 'EXIT_STATUS_ENV', 'launch_with_timeout', 'launched_threads', 'report', 'launch_records', 'launcher_name',
-           'follow_launcher', 'record_exit_status', 'read_exit_status']
+__all__ = ['LAUNCHERS', 'EXIT_STATUS_ENV', 'launch_with_timeout', 'report', 'launch_records', 'launcher_name', 'follow_launcher',
+           'record_exit_status', 'read_exit_status']
 
 # %% ../notebooks/06c_launching.ipynb #8f8d11a1
 def launch_with_timeout(fn, args: tuple = (), num_processes: int = 2, timeout: float | None = None,
@@ -49,8 +49,8 @@ def launch_with_timeout(fn, args: tuple = (), num_processes: int = 2, timeout: f
             timer.daemon = True
             timer.start()
         try:
-            with launched_threads(), contextlib.redirect_stdout(_WithoutLaunchBanner(sys.stdout)), \
-                    _signal_handlers_kept():
+            # fork_safe: each launched process computes on OMP_NUM_THREADS threads, else one (00 says why)
+            with contextlib.redirect_stdout(_WithoutLaunchBanner(sys.stdout)), _signal_handlers_kept():
                 notebook_launcher(fork_safe(fn), args, num_processes=num_processes,
                                   use_port=str(free_port()))
             return
@@ -79,17 +79,6 @@ def _signal_handlers_kept(names: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP
         for name, handler in kept.items():
             if handler is not None:
                 signal.signal(getattr(signal, name), handler)
-
-
-def launched_threads():
-    """`OMP_NUM_THREADS` for the launched processes: the one set here, else 1 (06c). The workers are forked
-    from this process; once it has computed with several OpenMP threads, a forked child's first
-    multi-threaded operation waits forever (GCC's libgomp cannot restart its threads after a fork), so one
-    thread is the only safe default (`fork_safe`, 00). accelerate's `patch_environment` restores this
-    process's variable."""
-    from accelerate.utils import patch_environment
-
-    return patch_environment(omp_num_threads=os.environ.get("OMP_NUM_THREADS") or 1)
 
 # %% ../notebooks/06c_launching.ipynb #5ccd6fa0
 class _WithoutLaunchBanner:
