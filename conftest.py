@@ -13,9 +13,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+import faulthandler
 import sys
+import threading
+import time
 
 import pytest
+
+# Seconds a test process may spend exiting once its tests are done (normally well under one).
+EXIT_GRACE_S = 60
 
 
 @pytest.fixture(autouse=True)
@@ -37,3 +43,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.endswith(".ipynb") or ".ipynb::" in item.nodeid:
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Let the test process exit even if something a test started would hold it.
+
+    At exit Python joins non-daemon threads and multiprocessing children: one child stuck in a
+    collective would keep the finished run waiting forever. After `EXIT_GRACE_S` a daemon thread
+    prints every thread's stack and leaves with the session's own status."""
+    status = config.stash.get(_EXIT_STATUS, 1)
+
+    def leave():
+        time.sleep(EXIT_GRACE_S)
+        print(f"conftest: process {os.getpid()} still exiting {EXIT_GRACE_S} s after its tests ended; its threads:",
+              file=sys.__stderr__, flush=True)
+        faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+        os._exit(status)
+
+    threading.Thread(target=leave, name="exit-watchdog", daemon=True).start()
