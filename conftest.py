@@ -1,4 +1,5 @@
 """Test-session settings shared by unit tests and notebooks (nbmake kernels inherit this env)."""
+
 import os
 
 # Notebooks and tests run in smoke mode: same code path, small sizes.
@@ -63,8 +64,11 @@ def pytest_unconfigure(config):
 
     def leave():
         time.sleep(EXIT_GRACE_S)
-        print(f"conftest: process {os.getpid()} still exiting {EXIT_GRACE_S} s after its tests ended; its threads:",
-              file=sys.__stderr__, flush=True)
+        print(
+            f"conftest: process {os.getpid()} still exiting {EXIT_GRACE_S} s after its tests ended; its threads:",
+            file=sys.__stderr__,
+            flush=True,
+        )
         faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
         os._exit(status)
 

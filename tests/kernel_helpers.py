@@ -1,4 +1,5 @@
 """Run code cells in a real Jupyter kernel, as nbmake and JupyterLab do (not a test module)."""
+
 from __future__ import annotations
 
 import tempfile

@@ -4,8 +4,7 @@ The distributed tests run 2 real CPU processes (gloo) with `accelerate.debug_lau
 functions live at module level so they can be pickled. debug_launcher rendezvous through a temp
 file, so parallel test runs do not compete for a port.
 """
-import contextlib
-import io
+
 import json
 import math
 import os
@@ -24,7 +23,7 @@ from tutorial_lib.accel import ClassificationMetrics, MetricsLogger, read_metric
 from tutorial_lib.core import fork_safe
 
 NUM_CLASSES = 10
-N_SAMPLES = 37   # does not divide by num_processes (2) x batch_size (4)
+N_SAMPLES = 37  # does not divide by num_processes (2) x batch_size (4)
 BATCH_SIZE = 4
 
 
@@ -37,8 +36,8 @@ def make_logits_dataset(n: int = N_SAMPLES, num_classes: int = NUM_CLASSES) -> T
     labels = torch.randint(0, num_classes, (n,), generator=g)
     logits = torch.randn(n, num_classes, generator=g)
     right = torch.arange(n) < n // 3
-    logits[right, labels[right]] += 10.0                      # confidently right
-    logits[~right, labels[~right]] -= 10.0                    # confidently wrong (outside the top 5)
+    logits[right, labels[right]] += 10.0  # confidently right
+    logits[~right, labels[~right]] -= 10.0  # confidently wrong (outside the top 5)
     return TensorDataset(logits, labels)
 
 
@@ -46,15 +45,19 @@ def reference_metrics(ds: TensorDataset) -> dict:
     """Top-1/top-5/loss over the whole dataset in one process, computed directly."""
     logits, labels = ds.tensors
     top5 = logits.topk(5, dim=1).indices
-    return {"top1": 100 * (top5[:, 0] == labels).double().mean().item(),
-            "top5": 100 * (top5 == labels[:, None]).any(1).double().mean().item(),
-            "loss": torch.nn.functional.cross_entropy(logits, labels).item(), "count": len(labels)}
+    return {
+        "top1": 100 * (top5[:, 0] == labels).double().mean().item(),
+        "top5": 100 * (top5 == labels[:, None]).any(1).double().mean().item(),
+        "loss": torch.nn.functional.cross_entropy(logits, labels).item(),
+        "count": len(labels),
+    }
 
 
 # --------------------------------------------------------------------------- unit tests
 
+
 def test_metrics_logger_appends_one_json_line_per_call_with_tensors_as_numbers(tmp_path):
-    path = tmp_path / "run" / "metrics.jsonl"     # parent folder does not exist yet
+    path = tmp_path / "run" / "metrics.jsonl"  # parent folder does not exist yet
     logger = MetricsLogger(path, accelerator=SimpleNamespace(is_main_process=True))
     logger.log({"epoch": 0, "val_top1": torch.tensor(12.5), "lr": torch.tensor([0.1])[0]})
     logger.log({"epoch": 1, "val_top1": 30.0})
@@ -125,6 +128,7 @@ def test_gather_update_refuses_uneven_batches_with_a_hint():
 
 # --------------------------------------------------------------------------- 2 real processes
 
+
 def _two_process_metrics(out_dir: str) -> None:
     """Launched on each of 2 CPU processes: evaluate the fixed dataset three ways and record it."""
     from accelerate import Accelerator
@@ -133,8 +137,8 @@ def _two_process_metrics(out_dir: str) -> None:
     ds = make_logits_dataset()
     loader = accelerator.prepare(DataLoader(ds, batch_size=BATCH_SIZE, shuffle=False))
 
-    exact = ClassificationMetrics(NUM_CLASSES)                     # gather_for_metrics, then count
-    local = ClassificationMetrics(NUM_CLASSES)                     # this process's samples only
+    exact = ClassificationMetrics(NUM_CLASSES)  # gather_for_metrics, then count
+    local = ClassificationMetrics(NUM_CLASSES)  # this process's samples only
     for logits, labels in loader:
         loss = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
         exact.gather_update(accelerator, logits, labels, loss)
@@ -143,9 +147,9 @@ def _two_process_metrics(out_dir: str) -> None:
 
     # sync_on_compute=True: update with local tensors, torchmetrics sums the states at compute().
     synced_padded = ClassificationMetrics(NUM_CLASSES, sync_on_compute=True)
-    for logits, labels in loader:                                  # default even_batches: padded
+    for logits, labels in loader:  # default even_batches: padded
         synced_padded.update(logits, labels, torch.nn.functional.cross_entropy(logits, labels, reduction="none"))
-    accelerator.even_batches = False                               # uneven last batch, no padding
+    accelerator.even_batches = False  # uneven last batch, no padding
     uneven_loader = accelerator.prepare(DataLoader(ds, batch_size=BATCH_SIZE, shuffle=False))
     synced_uneven = ClassificationMetrics(NUM_CLASSES, sync_on_compute=True)
     for logits, labels in uneven_loader:
@@ -155,9 +159,14 @@ def _two_process_metrics(out_dir: str) -> None:
 
     MetricsLogger(Path(out_dir) / "metrics.jsonl", accelerator).log({"rank": accelerator.process_index})
 
-    record = {"num_processes": accelerator.num_processes, "exact": exact.compute(),
-              "synced_padded": synced_padded.compute(), "synced_uneven": synced_uneven.compute(),
-              "local_count": local_result["count"], "naive_top1": per_process_top1.mean().item()}
+    record = {
+        "num_processes": accelerator.num_processes,
+        "exact": exact.compute(),
+        "synced_padded": synced_padded.compute(),
+        "synced_uneven": synced_uneven.compute(),
+        "local_count": local_result["count"],
+        "naive_top1": per_process_top1.mean().item(),
+    }
     (Path(out_dir) / f"rank{accelerator.process_index}.json").write_text(json.dumps(record))
 
 
@@ -190,7 +199,7 @@ def test_two_process_metrics_equal_single_process_top1_top5_and_loss(two_process
     for rec in records:
         assert rec["exact"]["top1"] == single["top1"] and rec["exact"]["top5"] == single["top5"], rec
         assert rec["exact"]["loss"] == pytest.approx(single["loss"], rel=1e-9)
-        for key in ["top1", "top5", "loss"]:   # and the single-process numbers are the true ones
+        for key in ["top1", "top5", "loss"]:  # and the single-process numbers are the true ones
             assert rec["exact"][key] == pytest.approx(expected[key], rel=1e-6), key
 
 
@@ -258,8 +267,13 @@ def test_two_process_exact_metrics_hold_their_tolerance_at_any_thread_count(tmp_
     process whose OpenMP threads already ran can hang the workers it forks."""
     out = tmp_path / "exact.json"
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    subprocess.run([sys.executable, "-c", THREADS_SCRIPT, str(threads), str(out), str(Path(__file__).parent)],
-                   env=env, check=True, timeout=180, cwd=ROOT)
+    subprocess.run(
+        [sys.executable, "-c", THREADS_SCRIPT, str(threads), str(out), str(Path(__file__).parent)],
+        env=env,
+        check=True,
+        timeout=180,
+        cwd=ROOT,
+    )
     got, ds = json.loads(out.read_text()), make_logits_dataset()
     single = ClassificationMetrics(NUM_CLASSES)  # the same metric on one process, over the same samples
     single.update(*ds.tensors, torch.nn.functional.cross_entropy(*ds.tensors, reduction="none"))

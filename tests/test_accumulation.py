@@ -1,4 +1,5 @@
 """Unit tests of tutorial_lib.accumulation (notebook 01): accumulation equals a big batch, window scaling."""
+
 import math
 import subprocess
 import sys
@@ -7,11 +8,23 @@ import pytest
 import torch
 from torch import nn
 
-from tutorial_lib.accumulation import (accumulate_gradients, accumulation_steps_for, accumulation_windows,
-                                       activation_bytes, draw_timeline, gradient_snapshot, is_optimizer_step,
-                                       loss_scale, make_toy_cnn, max_abs_difference, run_accumulation_timeline,
-                                       split_micro_batches, toy_batch, train_epoch_with_accumulation,
-                                       training_state_bytes)
+from tutorial_lib.accumulation import (
+    accumulate_gradients,
+    accumulation_steps_for,
+    accumulation_windows,
+    activation_bytes,
+    draw_timeline,
+    gradient_snapshot,
+    is_optimizer_step,
+    loss_scale,
+    make_toy_cnn,
+    max_abs_difference,
+    run_accumulation_timeline,
+    split_micro_batches,
+    toy_batch,
+    train_epoch_with_accumulation,
+    training_state_bytes,
+)
 
 loss_fn = nn.CrossEntropyLoss()
 
@@ -91,14 +104,16 @@ def test_epoch_with_accumulation_equals_big_batch_sgd_on_each_window():
     inputs, targets = toy_batch(b * num_batches, seed=3)
     batches = list(zip(inputs.split(b), targets.split(b)))
     model = make_toy_cnn(norm="none")
-    steps = train_epoch_with_accumulation(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                          loss_fn, batches, k)
+    steps = train_epoch_with_accumulation(
+        model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), loss_fn, batches, k
+    )
     reference = make_toy_cnn(norm="none")
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     for window in accumulation_windows(num_batches, k):
         optimizer.zero_grad()
-        loss_fn(reference(torch.cat([batches[i][0] for i in window])),
-                torch.cat([batches[i][1] for i in window])).backward()
+        loss_fn(
+            reference(torch.cat([batches[i][0] for i in window])), torch.cat([batches[i][1] for i in window])
+        ).backward()
         optimizer.step()
     assert steps == 3
     assert max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())) <= 1e-6
@@ -113,7 +128,7 @@ def test_activation_bytes_counts_what_autograd_saves_and_grows_linearly():
 
 
 def test_training_state_is_weights_grads_and_optimizer_state():
-    model = nn.Linear(10, 5)   # 55 fp32 parameters
+    model = nn.Linear(10, 5)  # 55 fp32 parameters
     assert training_state_bytes(model) == 3 * 55 * 4
     assert training_state_bytes(model, optimizer_states_per_param=2) == 4 * 55 * 4
 
@@ -169,12 +184,14 @@ for fix in (False, True):
 @pytest.mark.slow
 def test_accelerate_scales_a_short_last_window_by_1_over_k_and_loss_scale_fixes_it():
     # In a fresh interpreter: an Accelerator leaves process-wide state behind.
-    out = subprocess.run([sys.executable, "-c", ACCELERATE_LAST_WINDOW], check=True, capture_output=True,
-                         text=True, timeout=120).stdout.split("\n")
+    out = subprocess.run(
+        [sys.executable, "-c", ACCELERATE_LAST_WINDOW], check=True, capture_output=True, text=True, timeout=120
+    ).stdout.split("\n")
     assert out[:2] == ["False 0.5 False", "True 1.0 True"], out
 
 
 # --- accumulation on 2 real processes (gloo): only the last micro-step of a window all-reduces ---------------
+
 
 @pytest.fixture(scope="module")
 def two_process_accumulation():
@@ -186,7 +203,7 @@ def test_only_the_last_micro_step_of_each_window_all_reduces_on_two_processes(tw
     assert t["num_processes"] == [2, 2]
     assert t["sync_gradients"] == [[False, False, True] * 2] * 2
     for calls in t["allreduces_per_micro_step"]:
-        assert [c > 0 for c in calls] == [False, False, True] * 2, calls   # one bucket per sync step here
+        assert [c > 0 for c in calls] == [False, False, True] * 2, calls  # one bucket per sync step here
     # local (no_sync) gradients differ between the processes; after the all-reduce they are identical
     assert t["grads_equal_across_processes"] == [False, False, True] * 2
 
@@ -208,7 +225,7 @@ def test_the_synchronised_accumulated_gradient_is_the_global_batch_gradient(two_
     inputs, targets = toy_batch(8 * 3 * 2 * 2, seed=0)
     model = make_toy_cnn(norm="none", width=32, seed=0)
     reference = full_batch_gradient(model, inputs[:48], targets[:48])
-    tolerance = 48 * 16 * 16 * 2.0 ** -24
+    tolerance = 48 * 16 * 16 * 2.0**-24
     synced = two_process_accumulation["ranks"][0]["grads"][2]
     for name, g in reference.items():
         assert (synced[name] - g).abs().max().item() <= tolerance * g.abs().max().item(), name
@@ -216,6 +233,7 @@ def test_the_synchronised_accumulated_gradient_is_the_global_batch_gradient(two_
 
 def test_draw_timeline_draws_one_bar_per_event_and_returns_the_origin():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -223,6 +241,6 @@ def test_draw_timeline_draws_one_bar_per_event_and_returns_the_origin():
     fig, ax = plt.subplots()
     assert draw_timeline(ax, bars, ["a", "b"], {"x": "red", "y": "blue"}) == 2.0
     bar_a, bar_b = ax.collections[:2]
-    assert bar_a.get_paths()[0].get_extents().width == 500.0          # 0.5 s drawn in ms
-    assert bar_b.get_paths()[0].get_extents().width > 0               # a zero-length event stays visible
+    assert bar_a.get_paths()[0].get_extents().width == 500.0  # 0.5 s drawn in ms
+    assert bar_b.get_paths()[0].get_extents().width > 0  # a zero-length event stays visible
     plt.close(fig)

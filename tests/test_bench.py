@@ -3,6 +3,7 @@ the loop-overhead harness, and the GPU benchmark's code path on CPU (and its ref
 The measuring tools and fast-recipe helpers that the training script uses (StepTimer, MFU, FLOP count,
 peak table, progressive_resolution, resize_batch, make_ema) are exported by notebook 08a (tutorial_lib.train);
 notebook 10 measures with them, so their tests import them from there."""
+
 import copy
 import json
 import os
@@ -16,12 +17,28 @@ import pytest
 import torch
 import torchvision
 
-from tutorial_lib.bench import (DRY_RUN, RepeatDataset, build_synthetic_run, format_gpu_table, jpeg_batches,
-                                jpeg_files_and_labels, linked_image_folder, measure_steps, run_gpu_benchmark,
-                                run_loop_benchmark)
-from tutorial_lib.core import StepTimer, count_training_flops, mfu, peak_flops_for, peak_memory_bytes
-from tutorial_lib.timing import (alternate, make_bare_step, median_interval, median_throughput, overhead_ratio,
-                                 paired_ratios, time_windows)
+from tutorial_lib.bench import (
+    DRY_RUN,
+    RepeatDataset,
+    build_synthetic_run,
+    format_gpu_table,
+    jpeg_batches,
+    jpeg_files_and_labels,
+    linked_image_folder,
+    measure_steps,
+    run_gpu_benchmark,
+    run_loop_benchmark,
+)
+from tutorial_lib.core import StepTimer, count_training_flops, mfu, peak_flops_for
+from tutorial_lib.timing import (
+    alternate,
+    make_bare_step,
+    median_interval,
+    median_throughput,
+    overhead_ratio,
+    paired_ratios,
+    time_windows,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,14 +46,22 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_module(*args, env_extra=None, check=True):
     """Run `python -m tutorial_lib.bench ...` in a subprocess from the repository root."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "tutorial_lib.bench", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, check=check, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "tutorial_lib.bench", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=check,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
 def jpeg_folder(tmp_path_factory):
     """A flat folder of small JPEGs named like ImageNet samples, one of them grayscale."""
     from PIL import Image
+
     folder = tmp_path_factory.mktemp("jpegs")
     g = torch.Generator().manual_seed(0)
     for k in range(6):
@@ -50,6 +75,7 @@ def jpeg_folder(tmp_path_factory):
 
 
 # ---- 1. the physical limit ----------------------------------------------------------------------
+
 
 def test_peak_table_knows_h200_h100_a100_and_prefers_the_most_specific_name():
     assert peak_flops_for("NVIDIA H200") == 989e12
@@ -100,10 +126,12 @@ def test_flops_per_image_scale_with_pixels_and_see_through_compile_wrappers():
 
 # ---- 2. timing --------------------------------------------------------------------------------
 
+
 def test_time_windows_runs_warmup_untimed_then_full_windows_and_syncs_each_window():
     calls, syncs = [], []
-    secs = time_windows(lambda: calls.append(1), windows=3, steps_per_window=4, warmup_steps=5,
-                        sync=lambda: syncs.append(len(calls)))
+    secs = time_windows(
+        lambda: calls.append(1), windows=3, steps_per_window=4, warmup_steps=5, sync=lambda: syncs.append(len(calls))
+    )
     assert len(calls) == 5 + 3 * 4
     assert len(secs) == 3
     assert syncs == [5, 9, 13, 17], "one sync after warm-up and one at the end of every window"
@@ -116,6 +144,7 @@ def test_median_throughput_ignores_one_stalled_window():
 
 
 # ---- 3. StepTimer -------------------------------------------------------------------------------
+
 
 class FakeClock:
     """A stand-in for `time.perf_counter` that only moves when told to: timings without sleeping, exact on a
@@ -187,7 +216,8 @@ def test_peak_memory_on_cpu_is_the_process_peak_in_bytes():
         "from tutorial_lib.core import peak_memory_bytes\n"
         "before = peak_memory_bytes('cpu')\n"
         "big = torch.ones(1536 * 2**20 // 4)\n"
-        "print(before, peak_memory_bytes('cpu'))\n")
+        "print(before, peak_memory_bytes('cpu'))\n"
+    )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     before, after = map(int, out.stdout.split())
     assert 512 * 2**20 < after - before <= 1536 * 2**20 + 64 * 2**20, (before, after)
@@ -200,12 +230,21 @@ def test_step_timer_syncs_only_on_cuda_by_default():
 
 # ---- 4. loop overhead harness -------------------------------------------------------------------
 
+
 def test_alternate_flips_the_order_every_round_and_times_each_run():
     order = []
     runs = {"ours": lambda n: order.append(("ours", n)), "bare": lambda n: order.append(("bare", n))}
     times = alternate(runs, rounds=3, steps=7, warmup_rounds=1)
-    assert order == [("ours", 7), ("bare", 7),                      # warm-up
-                     ("ours", 7), ("bare", 7), ("bare", 7), ("ours", 7), ("ours", 7), ("bare", 7)]
+    assert order == [
+        ("ours", 7),
+        ("bare", 7),  # warm-up
+        ("ours", 7),
+        ("bare", 7),
+        ("bare", 7),
+        ("ours", 7),
+        ("ours", 7),
+        ("bare", 7),
+    ]
     assert {k: len(v) for k, v in times.items()} == {"ours": 3, "bare": 3}
 
 
@@ -223,13 +262,16 @@ def test_paired_ratios_pair_each_round_of_one_loop_with_the_same_round_of_the_ot
 
 def test_median_interval_uses_order_statistics_and_covers_the_median_at_least_as_often_as_asked():
     import random
+
     assert median_interval(list(range(16))) == (3, 12)  # P(Binomial(16, 1/2) <= 3) = 0.011 <= 0.025 < P(<= 4)
     assert median_interval([5, 1, 4, 2, 6, 3]) == (1, 6)  # 6 values: only min and max give >= 95 %
     with pytest.raises(ValueError, match="too few"):
         median_interval([1.0, 2.0, 3.0, 4.0, 5.0])
     rng = random.Random(0)
     trials = 2000
-    covered = sum(lo <= 0.0 <= hi for lo, hi in (median_interval([rng.gauss(0, 1) for _ in range(40)]) for _ in range(trials)))
+    covered = sum(
+        lo <= 0.0 <= hi for lo, hi in (median_interval([rng.gauss(0, 1) for _ in range(40)]) for _ in range(trials))
+    )
     assert covered / trials >= 0.94  # its exact coverage for 40 values is 96.2 %
 
 
@@ -252,7 +294,9 @@ def test_bare_step_is_a_real_training_loop():
 def test_loop_benchmark_a_a_test_reports_medians_and_ratio():
     r = run_loop_benchmark(arch="resnet18", img_size=32, batch_size=4, steps=1, rounds=3, ours="bare")
     assert len(r["ours_round_s"]) == len(r["bare_round_s"]) == 3
-    assert r["overhead_ratio"] == pytest.approx(statistics.median(r["ours_round_s"]) / statistics.median(r["bare_round_s"]))
+    assert r["overhead_ratio"] == pytest.approx(
+        statistics.median(r["ours_round_s"]) / statistics.median(r["bare_round_s"])
+    )
     with pytest.raises(ValueError, match="ours"):
         run_loop_benchmark(ours="something")
 
@@ -260,6 +304,7 @@ def test_loop_benchmark_a_a_test_reports_medians_and_ratio():
 @pytest.mark.slow
 def test_our_step_runs_the_training_scripts_epoch_with_its_scheduler_and_clipping():
     from tutorial_lib.bench import make_our_step
+
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=5)
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 5, (4,))
@@ -280,17 +325,24 @@ def test_our_step_runs_the_training_scripts_epoch_with_its_scheduler_and_clippin
 
 @pytest.mark.slow
 def test_bench_loop_cli_compares_the_training_step_and_ends_with_json():
-    out = run_module("loop", "--img_size", "32", "--batch_size", "4", "--steps", "1",
-                     "--rounds", "2").stdout.strip().splitlines()
+    out = (
+        run_module("loop", "--img_size", "32", "--batch_size", "4", "--steps", "1", "--rounds", "2")
+        .stdout.strip()
+        .splitlines()
+    )
     last = json.loads(out[-1])
     assert last["ours"] == "train" and last["overhead_ratio"] > 0
     assert any(line.startswith("overhead_ratio") for line in out)
-    aa = json.loads(run_module("loop", "--ours", "bare", "--img_size", "32", "--batch_size", "4", "--steps", "1",
-                               "--rounds", "2").stdout.strip().splitlines()[-1])
+    aa = json.loads(
+        run_module("loop", "--ours", "bare", "--img_size", "32", "--batch_size", "4", "--steps", "1", "--rounds", "2")
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     assert aa["ours"] == "bare"
 
 
 # ---- 5. bench gpu ---------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_bench_gpu_without_cuda_prints_one_skip_line_and_exits_zero():
@@ -302,8 +354,9 @@ def test_bench_gpu_without_cuda_prints_one_skip_line_and_exits_zero():
 
 
 def test_synthetic_run_uses_the_requested_memory_format_and_trains():
-    run = build_synthetic_run("resnet18", "channels_last", "cpu", batch_size=2, img_size=32, num_classes=10,
-                              amp_dtype=None)
+    run = build_synthetic_run(
+        "resnet18", "channels_last", "cpu", batch_size=2, img_size=32, num_classes=10, amp_dtype=None
+    )
     assert run["images"].is_contiguous(memory_format=torch.channels_last)
     assert run["model"].conv1.weight.is_contiguous(memory_format=torch.channels_last)
     w0 = run["model"].fc.weight.detach().clone()
@@ -314,8 +367,9 @@ def test_synthetic_run_uses_the_requested_memory_format_and_trains():
 
 
 def test_measure_steps_counts_images_per_second_from_the_median_window(clock):
-    row = measure_steps(lambda: clock.advance(0.01), torch.device("cpu"), batch_size=8, windows=3,
-                        steps_per_window=2, warmup_steps=1)
+    row = measure_steps(
+        lambda: clock.advance(0.01), torch.device("cpu"), batch_size=8, windows=3, steps_per_window=2, warmup_steps=1
+    )
     assert len(row["window_s"]) == 3
     assert row["images_per_sec"] == pytest.approx(8 * 2 / statistics.median(row["window_s"]))
     assert row["images_per_sec"] == pytest.approx(800)  # 8 images per 10 ms step
@@ -331,6 +385,7 @@ def test_jpeg_listing_labels_flat_folders_by_name_prefix(jpeg_folder):
 
 def test_linked_folder_gives_a_flat_folder_the_imagefolder_layout(jpeg_folder, tmp_path):
     from tutorial_lib.loading import build_datasets
+
     root = linked_image_folder(jpeg_folder, tmp_path / "linked")
     train_ds, val_ds = build_datasets(root, img_size=16)
     assert train_ds.classes == val_ds.classes == ["n00", "n01", "n02"]
@@ -343,8 +398,17 @@ def test_linked_folder_gives_a_flat_folder_the_imagefolder_layout(jpeg_folder, t
 
 @pytest.mark.parametrize("pipeline", ["fast", "gpu"])
 def test_jpeg_feeds_yield_normalized_batches_in_the_model_memory_format(jpeg_folder, pipeline):
-    feed = jpeg_batches(jpeg_folder, pipeline, length=12, batch_size=4, img_size=24, workers=0, device="cpu",
-                        memory_format=torch.channels_last, num_classes=2)
+    feed = jpeg_batches(
+        jpeg_folder,
+        pipeline,
+        length=12,
+        batch_size=4,
+        img_size=24,
+        workers=0,
+        device="cpu",
+        memory_format=torch.channels_last,
+        num_classes=2,
+    )
     batches = list(feed)
     assert len(batches) == 3, "length 12 / batch 4 (drop_last)"
     for x, y in batches:
@@ -358,8 +422,16 @@ def test_jpeg_feeds_yield_normalized_batches_in_the_model_memory_format(jpeg_fol
 
 @pytest.mark.slow
 def test_gpu_benchmark_end_to_end_rows_run_on_cpu(jpeg_folder):
-    result = run_gpu_benchmark("cpu", **DRY_RUN, configs=["eager_nchw"], compile_backend="eager",
-                               data_dir=jpeg_folder, workers=1, decode_workers=0, log=lambda s: None)
+    result = run_gpu_benchmark(
+        "cpu",
+        **DRY_RUN,
+        configs=["eager_nchw"],
+        compile_backend="eager",
+        data_dir=jpeg_folder,
+        workers=1,
+        decode_workers=0,
+        log=lambda s: None,
+    )
     rows = {r["config"]: r for r in result["rows"]}
     assert set(rows) == {"eager_nchw", "eager_nchw+cpu_workers", "eager_nchw+device_decode"}
     assert all(r["images_per_sec"] > 0 for r in rows.values()), rows
@@ -368,8 +440,9 @@ def test_gpu_benchmark_end_to_end_rows_run_on_cpu(jpeg_folder):
 
 @pytest.mark.slow
 def test_gpu_benchmark_code_path_runs_on_cpu_synthetic_rows():
-    result = run_gpu_benchmark("cpu", **DRY_RUN, compile_backend="eager", data_dir=None, peak_tflops=1.0,
-                               log=lambda s: None)
+    result = run_gpu_benchmark(
+        "cpu", **DRY_RUN, compile_backend="eager", data_dir=None, peak_tflops=1.0, log=lambda s: None
+    )
     rows = result["rows"]
     assert [r["config"] for r in rows] == ["eager_nchw", "channels_last", "channels_last_compile"]
     for r in rows:
@@ -381,8 +454,9 @@ def test_gpu_benchmark_code_path_runs_on_cpu_synthetic_rows():
 
 @pytest.mark.slow
 def test_gpu_benchmark_budget_skips_what_it_cannot_start():
-    result = run_gpu_benchmark("cpu", **DRY_RUN, compile_backend="eager", data_dir=None, budget_s=0.0,
-                               log=lambda s: None)
+    result = run_gpu_benchmark(
+        "cpu", **DRY_RUN, compile_backend="eager", data_dir=None, budget_s=0.0, log=lambda s: None
+    )
     assert all(r.get("skipped") == "time budget" for r in result["rows"])
     assert "skipped" in format_gpu_table(result)
 
@@ -397,8 +471,10 @@ def test_bench_data_delegates_to_07_and_ends_with_a_json_line(jpeg_folder):
 
 # ---- 6. helpers of the fast-recipe switches ---------------------------------------------------------
 
+
 def test_progressive_resolution_follows_ffcvs_schedule():
     from tutorial_lib.transforms import progressive_resolution
+
     schedule = [progressive_resolution(e, 160, 192, end_ramp=76, start_ramp=65) for e in range(88)]
     assert schedule[:66] == [160] * 66 and schedule[76:] == [192] * 12
     assert all(a <= b for a, b in zip(schedule, schedule[1:])) and set(schedule) == {160, 192}
@@ -413,6 +489,7 @@ def test_progressive_resolution_follows_ffcvs_schedule():
 
 def test_resize_batch_changes_the_size_keeps_the_layout_and_skips_same_size():
     from tutorial_lib.transforms import resize_batch
+
     x = torch.rand(2, 3, 32, 32).contiguous(memory_format=torch.channels_last)
     y = resize_batch(x, 16)
     assert y.shape == (2, 3, 16, 16) and y.is_contiguous(memory_format=torch.channels_last)
@@ -423,9 +500,11 @@ def test_resize_batch_changes_the_size_keeps_the_layout_and_skips_same_size():
 
 def test_make_ema_averages_weights_and_batchnorm_buffers_and_sees_through_compile():
     from tutorial_lib.optim import make_ema
+
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
-                              torch.nn.LazyLinear(2))
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(), torch.nn.LazyLinear(2)
+    )
     x, y = 2 + torch.randn(8, 3, 6, 6), torch.randint(0, 2, (8,))
     net(x)  # materialise the lazy layer
     ema = make_ema(torch.compile(net, backend="eager"), decay=0.5)
@@ -433,7 +512,9 @@ def test_make_ema_averages_weights_and_batchnorm_buffers_and_sees_through_compil
     opt = torch.optim.SGD(net.parameters(), lr=0.5)
     expected = None
     for _ in range(3):
-        torch.nn.functional.cross_entropy(net(x), y).backward(); opt.step(); opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
         ema.update_parameters(net)
         w = net[0].weight.detach().clone()
         expected = w if expected is None else 0.5 * expected + 0.5 * w
@@ -449,15 +530,19 @@ def test_model_ema_matches_pytorchs_averaged_model_and_keeps_its_counter_on_the_
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
     from tutorial_lib.optim import ModelEMA, make_ema
+
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
-                              torch.nn.Linear(64, 2))
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(), torch.nn.Linear(64, 2)
+    )
     x, y = 2 + torch.randn(8, 3, 6, 6), torch.randint(0, 2, (8,))
     ours = make_ema(net, decay=0.7)
     reference = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.7), use_buffers=True)
     opt = torch.optim.SGD(net.parameters(), lr=0.5)
     for _ in range(4):
-        torch.nn.functional.cross_entropy(net(x), y).backward(); opt.step(); opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
         ours.update_parameters(net)
         reference.update_parameters(net)
     assert isinstance(ours, ModelEMA) and isinstance(ours, AveragedModel)
@@ -467,8 +552,12 @@ def test_model_ema_matches_pytorchs_averaged_model_and_keeps_its_counter_on_the_
     assert ours.module[1].num_batches_tracked == net[1].num_batches_tracked == 4, "integer counters are the model's"
     assert int(ours.n_averaged) == 4 and ours.n_averaged.device.type == "cpu"
 
-    resumed = make_ema(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
-                                           torch.nn.Linear(64, 2)), decay=0.7)
+    resumed = make_ema(
+        torch.nn.Sequential(
+            torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(), torch.nn.Linear(64, 2)
+        ),
+        decay=0.7,
+    )
     resumed.load_state_dict(ours.state_dict())
     before = resumed.module[0].weight.clone()
     resumed.update_parameters(net)
@@ -479,6 +568,7 @@ def test_model_ema_matches_pytorchs_averaged_model_and_keeps_its_counter_on_the_
 
 
 # ---- 7. the command lines of bench and stress: one convention, help with defaults, fast help ----------------
+
 
 def flag_helps(help_text: str) -> dict[str, str]:
     """`--flag` -> its help text, read from argparse's `--help` output (one entry per option, wrapped lines joined)."""
@@ -495,6 +585,7 @@ def flag_helps(help_text: str) -> dict[str, str]:
 
 def subcommand_parsers(parser):
     import argparse
+
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return action.choices
 
@@ -511,23 +602,36 @@ def test_bench_and_stress_flags_use_underscores_and_show_every_default():
             assert set(flags) <= set(helps), (name, set(flags) - set(helps))
             for flag in flags:
                 assert "-" not in flag[2:], f"{sub.prog} {flag}: flags are spelled with underscores, as --batch_size"
-                assert "(default: " in helps[flag] or helps[flag].endswith("required"), f"{sub.prog} {flag}: {helps[flag]!r}"
+                assert "(default: " in helps[flag] or helps[flag].endswith("required"), (
+                    f"{sub.prog} {flag}: {helps[flag]!r}"
+                )
                 assert helps[flag].count("(default") <= 1, f"{sub.prog} {flag} shows its default twice: {helps[flag]!r}"
                 checked += 1
     assert checked >= 30, checked
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["loop", "--batch_size", "0"], "python -m tutorial_lib.bench loop: error: --batch_size must be >= 1, got 0"),
-    (["loop", "--momentum", "1"], "python -m tutorial_lib.bench loop: error: --momentum must be in [0, 1), got 1.0"),
-    (["gpu", "--peak_tflops", "-5"], "python -m tutorial_lib.bench gpu: error: --peak_tflops must be a positive number, "
-                                     "got -5.0"),
-    (["gpu", "--device", "gpu0"], "python -m tutorial_lib.bench gpu: error: --device must be a torch device such as "
-                                  "cuda, cuda:1 or cpu, got 'gpu0'"),
-    (["loop", "--batch-size", "4"], "python -m tutorial_lib.bench: error: unrecognized arguments: --batch-size 4"),
-    (["loop", "--batch", "4"], "python -m tutorial_lib.bench: error: unrecognized arguments: --batch 4"),
-    (["data"], "python -m tutorial_lib.bench data: error: the following arguments are required: --data_dir"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["loop", "--batch_size", "0"], "python -m tutorial_lib.bench loop: error: --batch_size must be >= 1, got 0"),
+        (
+            ["loop", "--momentum", "1"],
+            "python -m tutorial_lib.bench loop: error: --momentum must be in [0, 1), got 1.0",
+        ),
+        (
+            ["gpu", "--peak_tflops", "-5"],
+            "python -m tutorial_lib.bench gpu: error: --peak_tflops must be a positive number, got -5.0",
+        ),
+        (
+            ["gpu", "--device", "gpu0"],
+            "python -m tutorial_lib.bench gpu: error: --device must be a torch device such as "
+            "cuda, cuda:1 or cpu, got 'gpu0'",
+        ),
+        (["loop", "--batch-size", "4"], "python -m tutorial_lib.bench: error: unrecognized arguments: --batch-size 4"),
+        (["loop", "--batch", "4"], "python -m tutorial_lib.bench: error: unrecognized arguments: --batch 4"),
+        (["data"], "python -m tutorial_lib.bench data: error: the following arguments are required: --data_dir"),
+    ],
+)
 def test_bench_refuses_bad_values_in_one_line_with_exit_2(argv, message, capsys):
     from tutorial_lib.bench import main
 
@@ -545,7 +649,11 @@ def test_bench_gpu_applies_dry_run_sizes_only_where_no_flag_was_given(monkeypatc
     monkeypatch.setattr(bench, "format_gpu_table", lambda result: "")
     bench.main(["gpu", "--device", "cpu", "--dry_run", "--batch_size", "2", "--no_e2e"])
     assert {k: seen[k] for k in ("arch", "img_size", "batch_size", "windows")} == {
-        "arch": "resnet18", "img_size": 64, "batch_size": 2, "windows": 2}
+        "arch": "resnet18",
+        "img_size": 64,
+        "batch_size": 2,
+        "windows": 2,
+    }
     assert seen["data_dir"] is None and seen["compile_backend"] == "eager" and seen["workers"] is None
     assert seen["peak_tflops"] is None and seen["budget_s"] == 480.0
 
@@ -553,8 +661,15 @@ def test_bench_gpu_applies_dry_run_sizes_only_where_no_flag_was_given(monkeypatc
 def import_times(*args: str) -> tuple[float, float, set[str]]:
     """Run `python -X importtime ARGS`: the seconds all its imports took, those of them that torch took, and the
     names of every module imported."""
-    done = subprocess.run([sys.executable, "-X", "importtime", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     total, torch_seconds, names = 0.0, 0.0, set()
     for line in done.stderr.splitlines():
         if "|" not in line or "cumulative" in line:
@@ -574,10 +689,19 @@ def test_help_of_bench_and_stress_costs_about_an_import_of_torch():
     process (`-X importtime`), so a busy machine slows them alike: everything but torch must cost under 30 % of
     torch's own import (about 8 % today; torchvision alone adds more than torch itself), and none of the heavy
     modules the commands use may be imported at all."""
-    heavy = {"torchvision", "accelerate", "torchmetrics", "tutorial_lib.train", "tutorial_lib.data", "datasets", "wandb"}
+    heavy = {
+        "torchvision",
+        "accelerate",
+        "torchmetrics",
+        "tutorial_lib.train",
+        "tutorial_lib.data",
+        "datasets",
+        "wandb",
+    }
     for argv in (["-m", "tutorial_lib.bench", "--help"], ["-m", "tutorial_lib.stress", "resume", "--help"]):
         total, torch_seconds, imported = import_times(*argv)
         assert torch_seconds > 0, f"{argv} --help should import torch (the parser's types come from 00)"
-        assert total - torch_seconds < 0.3 * torch_seconds, \
+        assert total - torch_seconds < 0.3 * torch_seconds, (
             f"{argv}: {total - torch_seconds:.2f} s of imports besides torch's {torch_seconds:.2f} s"
+        )
         assert not heavy & imported, f"{argv} imported {sorted(heavy & imported)}"

@@ -1,4 +1,5 @@
 """The course's command-line conventions (00a): one user-error hierarchy, one `main` convention, one `Progress`."""
+
 import importlib
 import inspect
 import io
@@ -9,8 +10,18 @@ import pytest
 from train_helpers import exit_status
 
 import tutorial_lib
-from tutorial_lib.cli import (HelpFormatter, OneLineParser, Progress, as_flags, cli_main, course_notebooks, one_line,
-                              parse_overrides, positive_int, run_notebooks)
+from tutorial_lib.cli import (
+    HelpFormatter,
+    OneLineParser,
+    Progress,
+    as_flags,
+    cli_main,
+    course_notebooks,
+    one_line,
+    parse_overrides,
+    positive_int,
+    run_notebooks,
+)
 from tutorial_lib.core import UserError
 
 
@@ -29,13 +40,18 @@ NOT_USER_ERRORS = {
 
 
 def test_every_user_error_class_of_the_library_derives_from_core_user_error():
-    found = {f"{name}.{cls.__name__}": cls for name, module in library_modules().items()
-             for cls in vars(module).values()
-             if inspect.isclass(cls) and issubclass(cls, BaseException) and cls.__module__ == module.__name__}
+    found = {
+        f"{name}.{cls.__name__}": cls
+        for name, module in library_modules().items()
+        for cls in vars(module).values()
+        if inspect.isclass(cls) and issubclass(cls, BaseException) and cls.__module__ == module.__name__
+    }
     assert "core.UserError" in found and len(found) > 8, sorted(found)
     not_user = {name for name, cls in found.items() if not issubclass(cls, UserError)}
-    assert not_user == set(NOT_USER_ERRORS), (f"an error the user fixes derives from tutorial_lib.core.UserError; any "
-                                              f"other is listed with its reason: {sorted(not_user ^ set(NOT_USER_ERRORS))}")
+    assert not_user == set(NOT_USER_ERRORS), (
+        f"an error the user fixes derives from tutorial_lib.core.UserError; any "
+        f"other is listed with its reason: {sorted(not_user ^ set(NOT_USER_ERRORS))}"
+    )
     assert not [name for name, cls in found.items() if name in NOT_USER_ERRORS and issubclass(cls, UserError)]
 
 
@@ -48,40 +64,73 @@ def test_the_old_error_families_are_gone():
 def command_lines(tmp: Path) -> dict:
     (tmp / "a_file").write_text("")
     return {
-        "cli": (["run-notebooks", "--smoke", "--fast"], "tutorial-lib: error: unrecognized arguments: --fast",
-                ["run-notebooks", str(tmp / "99_missing.ipynb")], f"tutorial-lib: error: no notebook {tmp / '99_missing.ipynb'}"),
-        "data": (["shard", "a", "b", "--shard_mb", "0"], "python -m tutorial_lib.data shard: error: --shard_mb must be",
-                 ["prepare-val", str(tmp / "nowhere"), str(tmp / "m.txt")],
-                 f"python -m tutorial_lib.data: error: validation folder {tmp / 'nowhere'} does not exist"),
-        "databench": (["--data_dir", "a", "--rounds", "0"], "python -m tutorial_lib.databench: error: --rounds must be >= 1",
-                      ["--data_dir", str(tmp / "nowhere")],
-                      f"python -m tutorial_lib.databench: error: image folder {tmp / 'nowhere'} does not exist"),
-        "bench": (["loop", "--steps", "0"], "python -m tutorial_lib.bench loop: error: --steps must be >= 1, got 0",
-                  ["data", "--data_dir", str(tmp / "nowhere")],
-                  f"python -m tutorial_lib.bench: error: image folder {tmp / 'nowhere'} does not exist"),
-        "stress": (["resume", "--trials", "0"], "python -m tutorial_lib.stress resume: error: --trials must be >= 1",
-                   ["resume", "--workdir", str(tmp / "a_file")],
-                   f"python -m tutorial_lib.stress: error: --workdir {tmp / 'a_file'} is a file"),
-        "train": (["--epochs", "0"], "tutorial-train: error: --epochs must be >= 1, got 0",
-                  ["--cpu", "--log_with", "none", "--path_to_data", str(tmp / "nowhere"), "--working_directory",
-                   str(tmp / "runs")], f"tutorial-train: error: --path_to_data: data folder {tmp / 'nowhere'} does not exist"),
+        "cli": (
+            ["run-notebooks", "--smoke", "--fast"],
+            "tutorial-lib: error: unrecognized arguments: --fast",
+            ["run-notebooks", str(tmp / "99_missing.ipynb")],
+            f"tutorial-lib: error: no notebook {tmp / '99_missing.ipynb'}",
+        ),
+        "data": (
+            ["shard", "a", "b", "--shard_mb", "0"],
+            "python -m tutorial_lib.data shard: error: --shard_mb must be",
+            ["prepare-val", str(tmp / "nowhere"), str(tmp / "m.txt")],
+            f"python -m tutorial_lib.data: error: validation folder {tmp / 'nowhere'} does not exist",
+        ),
+        "databench": (
+            ["--data_dir", "a", "--rounds", "0"],
+            "python -m tutorial_lib.databench: error: --rounds must be >= 1",
+            ["--data_dir", str(tmp / "nowhere")],
+            f"python -m tutorial_lib.databench: error: image folder {tmp / 'nowhere'} does not exist",
+        ),
+        "bench": (
+            ["loop", "--steps", "0"],
+            "python -m tutorial_lib.bench loop: error: --steps must be >= 1, got 0",
+            ["data", "--data_dir", str(tmp / "nowhere")],
+            f"python -m tutorial_lib.bench: error: image folder {tmp / 'nowhere'} does not exist",
+        ),
+        "stress": (
+            ["resume", "--trials", "0"],
+            "python -m tutorial_lib.stress resume: error: --trials must be >= 1",
+            ["resume", "--workdir", str(tmp / "a_file")],
+            f"python -m tutorial_lib.stress: error: --workdir {tmp / 'a_file'} is a file",
+        ),
+        "train": (
+            ["--epochs", "0"],
+            "tutorial-train: error: --epochs must be >= 1, got 0",
+            [
+                "--cpu",
+                "--log_with",
+                "none",
+                "--path_to_data",
+                str(tmp / "nowhere"),
+                "--working_directory",
+                str(tmp / "runs"),
+            ],
+            f"tutorial-train: error: --path_to_data: data folder {tmp / 'nowhere'} does not exist",
+        ),
         # the one-file script (08) imports nothing of the course, so not cli_main either: the same convention by hand
-        "simple_train": (["--path_to_data", str(tmp), "--epochs", "0"],
-                         "simple_train: error: argument --epochs: expected a whole number of at least 1, got '0'",
-                         ["--path_to_data", str(tmp / "nowhere")],
-                         f"simple_train: error: --path_to_data {tmp / 'nowhere'} needs train/<class>/"),
+        "simple_train": (
+            ["--path_to_data", str(tmp), "--epochs", "0"],
+            "simple_train: error: argument --epochs: expected a whole number of at least 1, got '0'",
+            ["--path_to_data", str(tmp / "nowhere")],
+            f"simple_train: error: --path_to_data {tmp / 'nowhere'} needs train/<class>/",
+        ),
     }
 
 
 def test_every_module_with_a_main_is_a_command_line_checked_here(tmp_path):
-    with_main = {name for name, module in library_modules().items()
-                 if inspect.isfunction(getattr(module, "main", None)) and module.main.__module__ == module.__name__}
+    with_main = {
+        name
+        for name, module in library_modules().items()
+        if inspect.isfunction(getattr(module, "main", None)) and module.main.__module__ == module.__name__
+    }
     assert with_main == set(command_lines(tmp_path)), with_main
 
 
 @pytest.mark.parametrize("module", ["cli", "data", "databench", "bench", "stress", "train", "simple_train"])
-def test_every_command_line_says_a_bad_flag_and_a_wrong_input_in_one_line_with_status_2(module, tmp_path, capsys,
-                                                                                         monkeypatch):
+def test_every_command_line_says_a_bad_flag_and_a_wrong_input_in_one_line_with_status_2(
+    module, tmp_path, capsys, monkeypatch
+):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.chdir(tmp_path)
     bad_flag, flag_line, wrong_input, input_line = command_lines(tmp_path)[module]
@@ -110,6 +159,7 @@ class Nan(RuntimeError):
 def raises(kind):
     def run(args):
         raise kind("met it")
+
     return run
 
 
@@ -132,8 +182,14 @@ def test_cli_main_says_each_error_once_by_process_0_or_by_the_process_that_met_i
     assert run_toy(raises(Shared), [], capsys, process=0, **options) == (2, "toy: error: met it\n", [2])
     assert run_toy(raises(Shared), [], capsys, process=1, **options) == (2, "", [2])
     assert run_toy(raises(UserError), [], capsys, process=1, **options) == (2, "toy: error (process 1): met it\n", [2])
-    assert run_toy(lambda args: None, ["--n", "0"], capsys, process=1, **options) == (2, "", [2]), "process 0 says a bad flag"
-    assert run_toy(lambda args: None, ["--n", "0"], capsys, **options) == (2, "toy: error: --n must be >= 1, got 0\n", [2])
+    assert run_toy(lambda args: None, ["--n", "0"], capsys, process=1, **options) == (2, "", [2]), (
+        "process 0 says a bad flag"
+    )
+    assert run_toy(lambda args: None, ["--n", "0"], capsys, **options) == (
+        2,
+        "toy: error: --n must be >= 1, got 0\n",
+        [2],
+    )
 
 
 def test_cli_main_leaves_a_bug_its_traceback(capsys):
@@ -154,7 +210,9 @@ def test_one_line_keeps_a_data_loader_workers_original_message():
 
     with pytest.raises(UserError) as caught:
         next(iter(DataLoader(Damaged(), num_workers=1)))
-    assert "Original Traceback" in str(caught.value) and one_line(caught.value) == "cannot decode image 0.jpg: truncated"
+    assert (
+        "Original Traceback" in str(caught.value) and one_line(caught.value) == "cannot decode image 0.jpg: truncated"
+    )
 
 
 def test_as_flags_writes_the_command_line_that_parse_overrides_parses():
@@ -177,8 +235,11 @@ def test_progress_in_a_log_is_one_plain_line_per_interval_in_items_or_bytes():
     epoch.update(0)
     epoch.close()  # no summary line unless asked
     lines = log.getvalue().splitlines()
-    assert [line.split(", ")[0] for line in lines] == ["epoch 0: 10/20 batches (50 %)", "epoch 0: 20/20 batches (100 %)",
-                                                       "epoch 0: 20/20 batches (100 %)"], lines
+    assert [line.split(", ")[0] for line in lines] == [
+        "epoch 0: 10/20 batches (50 %)",
+        "epoch 0: 20/20 batches (100 %)",
+        "epoch 0: 20/20 batches (100 %)",
+    ], lines
     assert lines[-1].endswith(", loss 1.20") and " batches/s, " in lines[0] and "\r" not in log.getvalue()
 
     log = io.StringIO()
@@ -200,12 +261,25 @@ def test_progress_prints_nothing_when_disabled():
 
 
 def test_course_notebooks_sort_each_deep_dive_right_after_its_notebook(tmp_path):
-    for name in ["10_performance", "01_gradient_accumulation", "00a_course_tools", "00_introduction",
-                 "08a_production_script", "08_training_script", "scratch", "Untitled"]:
+    for name in [
+        "10_performance",
+        "01_gradient_accumulation",
+        "00a_course_tools",
+        "00_introduction",
+        "08a_production_script",
+        "08_training_script",
+        "scratch",
+        "Untitled",
+    ]:
         (tmp_path / f"{name}.ipynb").write_text("{}")
     assert [p.stem for p in course_notebooks(tmp_path)] == [
-        "00_introduction", "00a_course_tools", "01_gradient_accumulation", "08_training_script", "08a_production_script",
-        "10_performance"]
+        "00_introduction",
+        "00a_course_tools",
+        "01_gradient_accumulation",
+        "08_training_script",
+        "08a_production_script",
+        "10_performance",
+    ]
     course = [p.name for p in course_notebooks(Path(__file__).resolve().parents[1] / "notebooks")]
     assert course[:2] == ["00_introduction.ipynb", "00a_course_tools.ipynb"], course
 

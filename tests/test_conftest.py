@@ -1,4 +1,5 @@
 """The test session's own safety net: a finished run exits even when a test left something running."""
+
 import re
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-LEFT_BEHIND = '''
+LEFT_BEHIND = """
 import threading, time
 
 def test_leaves_a_thread_that_never_ends():
@@ -17,7 +18,7 @@ def test_leaves_a_thread_that_never_ends():
 
 def test_{outcome}():
     assert {outcome!r} == "passes"
-'''
+"""
 
 
 @pytest.mark.slow
@@ -30,8 +31,13 @@ def test_a_thread_left_behind_cannot_hold_the_finished_session(tmp_path, outcome
     (tmp_path / "conftest.py").write_text(conftest)
     (tmp_path / "test_left_behind.py").write_text(LEFT_BEHIND.format(outcome=outcome))
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                           str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     took = time.monotonic() - start
     assert "still exiting 2 s after its tests ended" in done.stderr
     assert "never-ends" in done.stderr or "Thread 0x" in done.stderr  # the stacks are printed

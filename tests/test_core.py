@@ -7,8 +7,14 @@ import pytest
 import torch
 from kernel_helpers import run_in_kernel, short_tmpdir
 
-from tutorial_lib.core import (bf16_supported, environment_report, free_port, global_batch_size,
-                               smoke_mode, training_time_seconds)
+from tutorial_lib.core import (
+    bf16_supported,
+    environment_report,
+    free_port,
+    global_batch_size,
+    smoke_mode,
+    training_time_seconds,
+)
 
 
 def test_global_batch_is_the_product_of_micro_batch_accumulation_and_processes():
@@ -39,6 +45,7 @@ def test_training_time_is_images_times_epochs_over_throughput():
 
 def test_free_port_gives_a_bindable_port_and_never_one_that_is_in_use():
     import socket
+
     port = free_port()
     assert 1024 < port < 65536
     with socket.socket() as held:
@@ -66,8 +73,7 @@ def test_console_script_prints_version_and_hardware():
 @pytest.mark.slow
 def test_importing_the_library_does_no_work():
     # No prints and no CUDA probing at import time (notebook_launcher needs CUDA untouched).
-    code = ("import torch, tutorial_lib, tutorial_lib.core; "
-            "assert not torch.cuda.is_initialized(); print('ok')")
+    code = "import torch, tutorial_lib, tutorial_lib.core; assert not torch.cuda.is_initialized(); print('ok')"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out == "ok\n"
 
@@ -100,15 +106,21 @@ def test_scratch_dir_is_deleted_when_its_process_exits_and_not_when_a_forked_chi
 def test_a_notebook_kernel_deletes_its_scratch_folder_when_it_shuts_down():
     """What notebooks 06-11 rely on: a run under nbmake or JupyterLab leaves no checkpoints in /tmp."""
     with short_tmpdir() as tmp:
-        out = run_in_kernel(["from tutorial_lib.core import scratch_dir\n"
-                             "folder = scratch_dir('kernel-test-'); (folder / 'model.safetensors').write_bytes(b'x')\n"
-                             "print(folder)"], tmp)
+        out = run_in_kernel(
+            [
+                "from tutorial_lib.core import scratch_dir\n"
+                "folder = scratch_dir('kernel-test-'); (folder / 'model.safetensors').write_bytes(b'x')\n"
+                "print(folder)"
+            ],
+            tmp,
+        )
         folder = Path(out[0].strip())
         assert folder.parent == tmp
         assert not folder.exists(), "the kernel exited and left its scratch folder behind"
 
 
 # --- Setting up Accelerate (00 section 6): config files, launches and the state inside launched processes
+
 
 def _isolated_env(tmp_path):
     """HF_HOME in tmp_path, so no test reads or writes the user's default accelerate config."""
@@ -183,8 +195,9 @@ def test_two_launched_cpu_processes_form_one_group_and_a_flag_beats_the_config_f
     config = tmp_path / "cpu.yaml"
     (tmp_path / "base.yaml").write_text("compute_environment: LOCAL_MACHINE\nmixed_precision: 'no'\nuse_cpu: false\n")
     cpu_launch_config(tmp_path / "base.yaml", config, num_processes=2)
-    states = launch_state_probe(config, tmp_path / "run", flags=["--mixed_precision", "bf16"],
-                                env=_isolated_env(tmp_path), timeout=240)
+    states = launch_state_probe(
+        config, tmp_path / "run", flags=["--mixed_precision", "bf16"], env=_isolated_env(tmp_path), timeout=240
+    )
     assert [s["process_index"] for s in states] == [0, 1]
     assert all(s["num_processes"] == 2 and s["env"]["WORLD_SIZE"] == "2" for s in states)  # from the file
     assert all(s["backend"] == "gloo" and s["distributed_type"] == "MULTI_CPU" for s in states)
@@ -205,8 +218,16 @@ def test_run_notebooks_leaves_files_alone_in_smoke_mode_and_writes_full_mode_out
     from tutorial_lib.cli import run_notebooks
 
     path = tmp_path / "demo.ipynb"
-    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
-        "from tutorial_lib.core import smoke_mode\nprint(f'smoke mode: {smoke_mode()}')")]), path)
+    nbformat.write(
+        nbformat.v4.new_notebook(
+            cells=[
+                nbformat.v4.new_code_cell(
+                    "from tutorial_lib.core import smoke_mode\nprint(f'smoke mode: {smoke_mode()}')"
+                )
+            ]
+        ),
+        path,
+    )
     before = path.read_text()
     assert list(run_notebooks([path], smoke=True)) == ["demo.ipynb"]
     assert path.read_text() == before, "smoke mode only checks that the notebook runs"
@@ -235,8 +256,11 @@ def test_training_script_help_prints_one_default_per_flag():
 
     parser = get_args_parser()
     blocks = option_help_blocks(parser.format_help())
-    options = [a.option_strings[-1] for a in parser._actions
-               if a.option_strings and a.help != argparse.SUPPRESS and a.dest != "help"]
+    options = [
+        a.option_strings[-1]
+        for a in parser._actions
+        if a.option_strings and a.help != argparse.SUPPRESS and a.dest != "help"
+    ]
     assert options and set(options) <= set(blocks), sorted(set(options) - set(blocks))
     not_once = {o: blocks[o] for o in options if blocks[o].count("default:") != 1}
     assert not not_once, f"each flag's help must give exactly one default: {not_once}"
@@ -277,8 +301,14 @@ def test_launches_from_a_process_that_computed_on_several_threads_finish():
     (GCC's libgomp keeps no threads across a fork): 01's and 02's launches run their workers through
     `fork_safe`, on one thread. In a fresh interpreter, so that the parent's threads are known to exist."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    proc = subprocess.Popen([sys.executable, "-c", FORK_AFTER_THREADS], env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FORK_AFTER_THREADS],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         out, err = proc.communicate(timeout=180)  # both launches take seconds; the hang is forever
     except subprocess.TimeoutExpired:

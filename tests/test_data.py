@@ -2,6 +2,7 @@
 
 Everything runs on images generated in tmp_path, on the embedded dataset, or on the five real ImageNet
 JPEGs committed in tests/assets/imagenet; only the last test reads ../shared beside the project root (and skips without it)."""
+
 import gzip
 import hashlib
 import json
@@ -22,19 +23,49 @@ import torch
 import torchvision.transforms.functional as TF
 from PIL import Image
 from torch.utils.data import DataLoader
-
-from tutorial_lib.transforms import (IMAGENET_MEAN, IMAGENET_STD, CropParams, FastTrainTransform, FastValTransform,
-                                     center_crop_params, classic_transforms, jpeg_size, largest_dct_reduction,
-                                     normalize_on_device, resized_crop_uint8, sample_crop)
-from tutorial_lib.sources import (DataLayoutError, ScanReport, UnreadableImageError, embedded_data_path,
-                                  find_split_dirs, list_images, read_bytes, scan_image_folder)
-from tutorial_lib.data import main, prepare_val, read_val_mapping
-from tutorial_lib.decoding import EncodedTransform, decode_rgb, load_pil_rgb
-from tutorial_lib.loading import (SKIPPED_LABEL, EpochSeededDataset, EpochSeededSampler, base_dataset, build_datasets,
-                                  build_loaders, collate_images)
-from tutorial_lib.databench import (decode_batch_on_device, decode_jpegs_on_cuda, format_data_benchmark,
-                                    run_data_benchmark)
 from train_helpers import exit_status
+
+from tutorial_lib.data import main, prepare_val, read_val_mapping
+from tutorial_lib.databench import (
+    decode_batch_on_device,
+    decode_jpegs_on_cuda,
+    format_data_benchmark,
+    run_data_benchmark,
+)
+from tutorial_lib.decoding import EncodedTransform, decode_rgb, load_pil_rgb
+from tutorial_lib.loading import (
+    SKIPPED_LABEL,
+    EpochSeededDataset,
+    EpochSeededSampler,
+    base_dataset,
+    build_datasets,
+    build_loaders,
+    collate_images,
+)
+from tutorial_lib.sources import (
+    DataLayoutError,
+    ScanReport,
+    UnreadableImageError,
+    embedded_data_path,
+    find_split_dirs,
+    list_images,
+    read_bytes,
+    scan_image_folder,
+)
+from tutorial_lib.transforms import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    CropParams,
+    FastTrainTransform,
+    FastValTransform,
+    center_crop_params,
+    classic_transforms,
+    jpeg_size,
+    largest_dct_reduction,
+    normalize_on_device,
+    resized_crop_uint8,
+    sample_crop,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT / "tests" / "assets" / "imagenet"
@@ -44,12 +75,13 @@ ONE_LEVEL = 1 / 255 / min(IMAGENET_STD)  # one uint8 step after normalisation
 
 # ---------------------------------------------------------------- helpers
 
+
 def photo_like(h: int = 120, w: int = 160, seed: int = 0) -> np.ndarray:
     """A smooth RGB image with some edges (JPEG-friendly, unlike white noise)."""
     rng = np.random.default_rng(seed)
     yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
     img = np.stack([128 + 100 * np.sin(xx / (7 + 3 * c) + yy / (11 + c) + c) for c in range(3)], axis=-1)
-    img[h // 3: h // 2, w // 4: w // 2] = rng.integers(0, 256, 3)  # a flat block with sharp edges
+    img[h // 3 : h // 2, w // 4 : w // 2] = rng.integers(0, 256, 3)  # a flat block with sharp edges
     return img.clip(0, 255).astype(np.uint8)
 
 
@@ -82,8 +114,12 @@ def fast_for(path: Path, p: CropParams, size: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------- fast vs classic
 
-CROPS = [CropParams(0, 0, 120, 160), CropParams(10, 20, 80, 90, flip=True), CropParams(30, 40, 20, 30),
-         CropParams(5, 7, 111, 47, flip=True)]
+CROPS = [
+    CropParams(0, 0, 120, 160),
+    CropParams(10, 20, 80, 90, flip=True),
+    CropParams(30, 40, 20, 30),
+    CropParams(5, 7, 111, 47, flip=True),
+]
 
 
 @pytest.mark.parametrize("params", CROPS, ids=lambda p: f"{p.height}x{p.width}{'-flip' if p.flip else ''}")
@@ -187,6 +223,7 @@ def test_normalize_on_device_uint8_to_float_and_float_passes_through():
 
 # ---------------------------------------------------------------- bad inputs: decoding
 
+
 def test_grayscale_jpeg_becomes_three_equal_channels(tmp_path):
     path = save(Image.fromarray(photo_like()).convert("L"), tmp_path / "gray.JPEG")
     img = decode_rgb(read_bytes(path), path)
@@ -213,8 +250,12 @@ def test_png_named_jpeg_is_decoded_by_its_content(tmp_path):
 
 def bad_files(tmp_path: Path) -> dict[str, Path]:
     whole = save(photo_like(), tmp_path / "whole.JPEG").read_bytes()
-    files = {"truncated": whole[: len(whole) // 2], "not an image": b"<html>404 Not Found</html>" * 10,
-             "empty": b"", "header only": whole[:300]}
+    files = {
+        "truncated": whole[: len(whole) // 2],
+        "not an image": b"<html>404 Not Found</html>" * 10,
+        "empty": b"",
+        "header only": whole[:300],
+    }
     out = {}
     for name, content in files.items():
         out[name] = tmp_path / f"{name.replace(' ', '_')}.JPEG"
@@ -286,6 +327,7 @@ def test_all_files_bad_is_an_error_not_an_endless_loop(tmp_path):
 
 
 # ---------------------------------------------------------------- bad inputs: layout
+
 
 def one_line(err: pytest.ExceptionInfo) -> str:
     message = str(err.value)
@@ -365,6 +407,7 @@ def test_invalid_options_are_refused():
 
 # ---------------------------------------------------------------- bad inputs: odd folders
 
+
 def scan_with_report(folder: Path):
     report = ScanReport(str(folder))
     classes, samples = scan_image_folder(folder, report)
@@ -388,8 +431,12 @@ def test_a_link_to_another_class_folder_does_not_label_its_images_twice(tmp_path
     root = make_tree(tmp_path / "data", per_class=2)
     (root / "train" / "n01" / "also_n02").symlink_to(root / "train" / "n02", target_is_directory=True)
     _, samples, report = scan_with_report(root / "train")
-    assert sorted((Path(p).name, y) for p, y in samples) == [("n01_0.JPEG", 0), ("n01_1.JPEG", 0),
-                                                            ("n02_0.JPEG", 1), ("n02_1.JPEG", 1)]
+    assert sorted((Path(p).name, y) for p, y in samples) == [
+        ("n01_0.JPEG", 0),
+        ("n01_1.JPEG", 0),
+        ("n02_0.JPEG", 1),
+        ("n02_1.JPEG", 1),
+    ]
     assert report.counts()["revisited"] == 1
     (root / "val" / "n03").symlink_to(root / "val" / "n02", target_is_directory=True)
     with pytest.raises(DataLayoutError) as err:
@@ -408,8 +455,7 @@ def test_hidden_files_and_folders_are_left_out_and_counted(tmp_path):
     classes, samples, report = scan_with_report(train)
     assert classes == ["n01", "n02"] and len(samples) == 4
     assert not any("/." in p for p, _ in samples), "nothing under a hidden name is trained on"
-    assert report.counts() == {"hidden_files": 2, "hidden_folders": 2, "not_images": 0, "revisited": 0,
-                               "unreadable": 0}
+    assert report.counts() == {"hidden_files": 2, "hidden_folders": 2, "not_images": 0, "revisited": 0, "unreadable": 0}
     assert "2 hidden files and 2 hidden folders (names starting with '.'" in report.line()
 
 
@@ -424,8 +470,9 @@ def test_files_that_are_not_images_are_counted_by_kind(tmp_path):
     assert len(samples) == 5 and any(p.endswith("broken.JPEG") for p, _ in samples)
     assert report.counts()["not_images"] == 3
     line = report.line()
-    assert line.startswith(f"warning: {root / 'train'}: left out 3 files that are not an image by name "
-                           "(.tif, .txt, no extension;"), line
+    assert line.startswith(
+        f"warning: {root / 'train'}: left out 3 files that are not an image by name (.tif, .txt, no extension;"
+    ), line
     assert "\n" not in line
 
 
@@ -436,9 +483,11 @@ def test_build_datasets_prints_one_warning_line_per_split_that_left_something_ou
     lines = []
     train, val = build_datasets(root, img_size=16, log=lines.append)
     assert lines == [val.left_out.line()] and train.left_out.line() is None
-    assert lines[0] == (f"warning: {root / 'val'}: left out 1 hidden file (names starting with '.', e.g. "
-                        "n02/.hidden.JPEG), 1 file that is not an image by name (.tif; e.g. n01/scan.tif; "
-                        "images end in .jpg/.jpeg/.png/.bmp/.webp)")
+    assert lines[0] == (
+        f"warning: {root / 'val'}: left out 1 hidden file (names starting with '.', e.g. "
+        "n02/.hidden.JPEG), 1 file that is not an image by name (.tif; e.g. n01/scan.tif; "
+        "images end in .jpg/.jpeg/.png/.bmp/.webp)"
+    )
     build_datasets(root, img_size=16)  # default: printed on stderr, once
     assert capsys.readouterr().err == lines[0] + "\n"
     build_datasets(root, img_size=16, log=None)
@@ -453,6 +502,7 @@ def test_list_images_follows_links_but_enters_each_folder_once(tmp_path):
 
 
 # ---------------------------------------------------------------- bad inputs: skipping, counted and exact
+
 
 def solid_tree(root: Path, per_class: int = 5, classes=("n01", "n02")) -> dict[str, int]:
     """Images of one flat grey level each (PNG, so exact after any resize): the level names the file."""
@@ -471,6 +521,7 @@ def solid_tree(root: Path, per_class: int = 5, classes=("n01", "n02")) -> dict[s
 @pytest.mark.parametrize("pipeline", ["fast", "classic", "gpu"])
 def test_a_bad_val_image_is_dropped_never_replaced_so_each_image_counts_once(tmp_path, workers, pipeline):
     from tutorial_lib.accel import ClassificationMetrics
+
     levels = solid_tree(tmp_path / "data")
     bad = tmp_path / "data" / "val" / "n01" / "n01_2.png"
     bad.write_bytes(b"not a png any more")
@@ -486,7 +537,9 @@ def test_a_bad_val_image_is_dropped_never_replaced_so_each_image_counts_once(tmp
                 images = decode_batch_on_device(images, 8, train=False, device="cpu")
             keep = labels != SKIPPED_LABEL  # what evaluation does after gathering the batch
             metrics.update(torch.zeros(int(keep.sum()), 2), labels[keep])
-            pixels = images[keep] * 0.229 + 0.485 if pipeline == "classic" else images[keep].float() / 255  # undo normalising
+            pixels = (
+                images[keep] * 0.229 + 0.485 if pipeline == "classic" else images[keep].float() / 255
+            )  # undo normalising
             seen += [round(float(x[0].mean()) * 255) for x in pixels]
     expected = sorted(level for path, level in levels.items() if "/val/" in path and path != str(bad))
     assert sizes == [4, 4, 2], "batches keep their size: every process of a multi-process run gathers alike"
@@ -520,6 +573,7 @@ def test_seeding_a_sample_touches_only_the_cpu_generator(tmp_path, monkeypatch):
     in a CPU run and in DataLoader workers) records the call with a formatted stack trace, ~1 ms per
     sample: a third of an epoch's time at 32 px. The per-sample seed must seed the CPU generator only."""
     import torch.cuda
+
     accelerator_seeds = []
     monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: accelerator_seeds.append(seed))
     root = make_tree(tmp_path / "data", per_class=4)
@@ -534,11 +588,12 @@ def test_seeding_a_sample_touches_only_the_cpu_generator(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- bad inputs: bombs, missing files, 16-bit PNGs
 
+
 def jpeg_bomb(path: Path, size: int = 20000) -> Path:
     """A real JPEG whose frame header (SOF0) says size × size pixels."""
     data = bytearray(save(photo_like(), path, quality=90).read_bytes())
     sof = data.index(b"\xff\xc0")
-    data[sof + 5: sof + 9] = size.to_bytes(2, "big") * 2
+    data[sof + 5 : sof + 9] = size.to_bytes(2, "big") * 2
     path.write_bytes(data)
     assert jpeg_size(bytes(data)) == (size, size)
     return path
@@ -559,14 +614,20 @@ BOMB_REASON = "its header says"
 @pytest.mark.parametrize("make", [jpeg_bomb, png_bomb], ids=["jpeg", "png"])
 def test_a_decompression_bomb_is_an_unreadable_image_named_in_every_pipeline(tmp_path, make):
     path = make(tmp_path / "bomb.JPEG")
-    expected = rf"cannot decode image {re.escape(str(path))}: its header says .*400,000,000 pixels, over the " \
-               r"decompression-bomb limit .*on_bad_file='skip'"
-    calls = {"decode_rgb": lambda: decode_rgb(read_bytes(path), path),
-             "fast train": lambda: FastTrainTransform(32, decode=decode_rgb)(read_bytes(path), path),  # as the datasets
-             "fast val": lambda: FastValTransform(32, decode=decode_rgb)(read_bytes(path), path),
-             "no reduced decode": lambda: FastValTransform(32, reduced_decode=False, decode=decode_rgb)(read_bytes(path), path),
-             "classic": lambda: load_pil_rgb(path),
-             "gpu": lambda: EncodedTransform()(read_bytes(path), path)}
+    expected = (
+        rf"cannot decode image {re.escape(str(path))}: its header says .*400,000,000 pixels, over the "
+        r"decompression-bomb limit .*on_bad_file='skip'"
+    )
+    calls = {
+        "decode_rgb": lambda: decode_rgb(read_bytes(path), path),
+        "fast train": lambda: FastTrainTransform(32, decode=decode_rgb)(read_bytes(path), path),  # as the datasets
+        "fast val": lambda: FastValTransform(32, decode=decode_rgb)(read_bytes(path), path),
+        "no reduced decode": lambda: FastValTransform(32, reduced_decode=False, decode=decode_rgb)(
+            read_bytes(path), path
+        ),
+        "classic": lambda: load_pil_rgb(path),
+        "gpu": lambda: EncodedTransform()(read_bytes(path), path),
+    }
     for name, call in calls.items():
         with pytest.raises(UnreadableImageError, match=expected):
             call()
@@ -597,11 +658,14 @@ def test_bomb_and_missing_files_stop_with_their_name_or_are_counted_skips(tmp_pa
 def png16(array: np.ndarray) -> bytes:
     """A 16-bit RGB PNG (colour type 2, bit depth 16), written by hand: PIL cannot write one."""
     height, width, _ = array.shape
-    chunk = lambda kind, body: (struct.pack(">I", len(body)) + kind + body
-                                + struct.pack(">I", zlib.crc32(kind + body)))
+    chunk = lambda kind, body: struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
     rows = b"".join(b"\0" + array[y].astype(">u2").tobytes() for y in range(height))
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 16, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 16, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(rows))
+        + chunk(b"IEND", b"")
+    )
 
 
 def test_16_bit_pngs_named_jpeg_decode_to_8_bit_scaled_not_clipped(tmp_path):
@@ -625,8 +689,10 @@ def test_16_bit_pngs_named_jpeg_decode_to_8_bit_scaled_not_clipped(tmp_path):
 
 # ---------------------------------------------------------------- prepare-val
 
-TRUTH = {f"ILSVRC2012_val_{k:08d}": w for k, w in
-         enumerate(["n01440764", "n01443537", "n02085620", "n01440764", "n02085620", "n01443537"], start=1)}
+TRUTH = {
+    f"ILSVRC2012_val_{k:08d}": w
+    for k, w in enumerate(["n01440764", "n01443537", "n02085620", "n01440764", "n02085620", "n01443537"], start=1)
+}
 
 
 def flat_val(folder: Path, names=TRUTH) -> Path:
@@ -720,13 +786,21 @@ def test_prepare_val_refuses_a_mismatch_and_changes_nothing(tmp_path, case):
 def test_prepare_val_command_line(tmp_path):
     val = flat_val(tmp_path / "val")
     csv_path = kaggle_csv(tmp_path / "LOC_val_solution.csv")
-    run = lambda *args: subprocess.run([sys.executable, "-m", "tutorial_lib.data", "prepare-val", *map(str, args)],
-                                       capture_output=True, text=True, cwd=tmp_path)
+    run = lambda *args: subprocess.run(
+        [sys.executable, "-m", "tutorial_lib.data", "prepare-val", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     dry = run(val, csv_path)
     assert dry.returncode == 0 and "to move: 6" in dry.stdout and "dry run" in dry.stdout
     assert len(list(val.glob("*.JPEG"))) == 6
     bad = run(tmp_path / "nowhere", csv_path)
-    assert bad.returncode == 2 and bad.stderr.startswith("python -m tutorial_lib.data: error: validation folder") and bad.stderr.count("\n") == 1
+    assert (
+        bad.returncode == 2
+        and bad.stderr.startswith("python -m tutorial_lib.data: error: validation folder")
+        and bad.stderr.count("\n") == 1
+    )
 
 
 def test_prepare_val_with_its_arguments_swapped_says_so(tmp_path):
@@ -765,7 +839,9 @@ def test_a_gzip_compressed_mapping_is_read_as_is(tmp_path):
     text = "".join(f"{s}.JPEG {w}\n" for s, w in TRUTH.items()).encode()
     (tmp_path / "labels.txt.gz").write_bytes(gzip.compress(text))
     (tmp_path / "LOC_val_solution.csv.gz").write_bytes(gzip.compress(kaggle_csv(tmp_path / "m.csv").read_bytes()))
-    assert read_val_mapping(tmp_path / "labels.txt.gz") == read_val_mapping(tmp_path / "LOC_val_solution.csv.gz") == TRUTH
+    assert (
+        read_val_mapping(tmp_path / "labels.txt.gz") == read_val_mapping(tmp_path / "LOC_val_solution.csv.gz") == TRUTH
+    )
 
 
 def unusable_mapping(tmp_path: Path, case: str) -> Path:
@@ -794,14 +870,17 @@ def unusable_mapping(tmp_path: Path, case: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("case, words", [
-    ("unbalanced quote", ["LOC_val_solution.csv:4: a stray or unbalanced quote"]),
-    ("a folder", ["is a folder, not a mapping file", "LOC_val_solution.csv"]),
-    ("devkit ground truth", ["one class number per line", "meta.mat", "ILSVRC2012_devkit_t12.tar.gz as MAPPING"]),
-    ("zip archive", ["is a zip archive, not a text file", "unzip"]),
-    ("damaged gzip", ["is a damaged gzip file"]),
-    ("not text", ["is not a text file", "not UTF-8"]),
-])
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("unbalanced quote", ["LOC_val_solution.csv:4: a stray or unbalanced quote"]),
+        ("a folder", ["is a folder, not a mapping file", "LOC_val_solution.csv"]),
+        ("devkit ground truth", ["one class number per line", "meta.mat", "ILSVRC2012_devkit_t12.tar.gz as MAPPING"]),
+        ("zip archive", ["is a zip archive, not a text file", "unzip"]),
+        ("damaged gzip", ["is a damaged gzip file"]),
+        ("not text", ["is not a text file", "not UTF-8"]),
+    ],
+)
 def test_prepare_val_refuses_an_unusable_mapping_with_one_line_and_changes_nothing(tmp_path, capsys, case, words):
     val = flat_val(tmp_path / "val")
     mapping = unusable_mapping(tmp_path, case)
@@ -809,17 +888,25 @@ def test_prepare_val_refuses_an_unusable_mapping_with_one_line_and_changes_nothi
     for extra in ([], ["--apply"], ["--apply", "--link", "--out", str(tmp_path / "linked")]):
         assert exit_status(main, ["prepare-val", str(val), str(mapping), *extra]) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith(f"python -m tutorial_lib.data: error: {mapping}") and all(w in err for w in words), err
+        assert (
+            err.count("\n") == 1
+            and err.startswith(f"python -m tutorial_lib.data: error: {mapping}")
+            and all(w in err for w in words)
+        ), err
         assert listing(tmp_path) == before, "a refused run changes nothing"
 
 
 # ---------------------------------------------------------------- embedded dataset, loaders
 
+
 def test_embedded_dataset_loads_in_both_pipelines():
     root = embedded_data_path()
     train, val = build_datasets(root, img_size=32)
-    assert train.classes == val.classes == ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog",
-                                             "horse", "ship", "truck"]
+    assert (
+        train.classes
+        == val.classes
+        == ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+    )
     assert len(train) == 4000 and len(val) == 1000
     assert np.bincount(train.targets).tolist() == [400] * 10 and np.bincount(val.targets).tolist() == [100] * 10
     x, y = train[0]
@@ -932,7 +1019,6 @@ def test_gpu_pipeline_yields_bytes_and_decodes_like_the_fast_pipeline():
             decode_batch_on_device(encoded, img_size=32, train=True, device="cuda")
 
 
-
 def test_nvjpeg_decode_drains_the_callers_stream_before_decoding(monkeypatch):
     """pytorch/vision#9606: nvJPEG may overwrite memory that kernels queued on the caller's stream still
     read, so the current stream must be synchronized before `decode_jpeg(device="cuda")` is called.
@@ -980,6 +1066,7 @@ def test_normalization_constants_are_made_once_per_device():
 
 # ---------------------------------------------------------------- benchmark
 
+
 @pytest.mark.slow
 def test_run_data_benchmark_reports_the_four_rates(tmp_path):
     folder = tmp_path / "imgs"
@@ -995,6 +1082,7 @@ def test_run_data_benchmark_reports_the_four_rates(tmp_path):
 
 
 # ---------------------------------------------------------------- real ImageNet JPEGs
+
 
 def test_committed_real_imagenet_jpegs_decode_to_rgb_in_every_pipeline():
     names = sorted(p.name for p in ASSETS.glob("*.JPEG"))

@@ -1,14 +1,15 @@
 """A run resolves `--path_to_data` once and scans each split folder once (1.28 M files in ImageNet's train/),
 also when validation runs at its own size (--val_img_size other than the training crop)."""
+
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from train_helpers import TINY
 
 from tutorial_lib import sources
 from tutorial_lib.loading import build_datasets
 from tutorial_lib.train import default_args, train
-from train_helpers import TINY
 
 
 @pytest.fixture
@@ -38,8 +39,10 @@ def test_build_datasets_scans_each_split_once_when_validation_has_its_own_size(c
 
 @pytest.mark.slow  # trains
 def test_a_run_resolves_the_data_once_and_scans_each_split_once(tmp_path, counted):
-    args = default_args(**{**TINY, "epochs": 1, "val_img_size": 24, "working_directory": str(tmp_path),
-                           "experiment_name": "once"})
+    args = default_args(
+        **{**TINY, "epochs": 1, "val_img_size": 24, "working_directory": str(tmp_path), "experiment_name": "once"}
+    )
     train(args)
-    assert counted == Counter({"resolve": 1, "scan train": 1, "scan val": 1}), \
+    assert counted == Counter({"resolve": 1, "scan train": 1, "scan val": 1}), (
         f"--path_to_data resolved and each split scanned once per run, got {dict(counted)}"
+    )

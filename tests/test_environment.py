@@ -1,4 +1,5 @@
 """environment.yml cannot be solved here (no conda channels); check everything that can be checked."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -36,16 +37,48 @@ def pip_requirements(tmp_path) -> Path:
 @pytest.mark.slow
 def test_pip_part_of_environment_resolves_offline_against_this_environment(tmp_path):
     """Every requirement of the project and its dev extra is satisfied by what is installed: no index needed."""
-    result = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--no-index",
-                             "--no-build-isolation", "-r", str(pip_requirements(tmp_path))],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--quiet",
+            "--no-index",
+            "--no-build-isolation",
+            "-r",
+            str(pip_requirements(tmp_path)),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
 
 
 def package_index_reachable(folder: Path) -> bool:
-    result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--dest", str(folder),
-                             "--quiet", "--timeout", "5", "--retries", "0", "six"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--dest",
+            str(folder),
+            "--quiet",
+            "--timeout",
+            "5",
+            "--retries",
+            "0",
+            "six",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return result.returncode == 0
 
 
@@ -54,9 +87,23 @@ def test_pip_part_of_environment_resolves_from_the_package_index(tmp_path):
     """What a new conda user gets: the same requirement resolved from the index (skipped without one)."""
     if not package_index_reachable(tmp_path / "probe"):
         pytest.skip("no package index reachable from this machine")
-    result = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--ignore-installed",
-                             "-r", str(pip_requirements(tmp_path))],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--quiet",
+            "--ignore-installed",
+            "-r",
+            str(pip_requirements(tmp_path)),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
 
 
@@ -93,6 +140,7 @@ def test_with_torch_in_place_no_requirement_pulls_cuda_packages():
 
 # --- the library is self-contained: every path it names is inside the repository ---------------------------
 
+
 def library_strings() -> list[tuple[str, int, str]]:
     """(module, line, text) of every string literal in the library's modules, docstrings included."""
     import ast
@@ -118,8 +166,13 @@ def command_line_defaults() -> dict[str, object]:
 
     from tutorial_lib import bench, data, databench, stress, train
 
-    parsers = [train.get_args_parser(), bench.get_args_parser(), stress.get_args_parser(), data.get_args_parser(),
-               databench.get_args_parser()]
+    parsers = [
+        train.get_args_parser(),
+        bench.get_args_parser(),
+        stress.get_args_parser(),
+        data.get_args_parser(),
+        databench.get_args_parser(),
+    ]
     defaults = {}
     while parsers:
         parser = parsers.pop()
@@ -146,7 +199,9 @@ def test_the_library_names_no_path_outside_the_repository():
     outside = [(module, line, text[:80]) for module, line, text in library_strings() if names_a_path_outside(text)]
     assert not outside, f"paths outside the repository in the library: {outside}"
     package = Path(tutorial_lib.__file__).resolve().parent
-    defaults = {flag: value for flag, value in command_line_defaults().items() if isinstance(value, str) and "/" in value}
+    defaults = {
+        flag: value for flag, value in command_line_defaults().items() if isinstance(value, str) and "/" in value
+    }
     assert any("--data_dir" in flag for flag in defaults), "bench gpu's --data_dir default is a path"
     for flag, value in defaults.items():
         resolved = (ROOT / value).resolve()

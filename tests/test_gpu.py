@@ -3,6 +3,7 @@ pipeline split over two GPUs.
 
 Skipped without a CUDA GPU (CI has none). `.ci/gpu` runs them with `bench gpu` on a GPU machine.
 `TUTORIAL_TEST_DEVICE=cpu` runs the device-generic ones on the CPU, to check the tests themselves."""
+
 import os
 import warnings
 from pathlib import Path
@@ -14,17 +15,18 @@ from tutorial_lib import train as T
 from tutorial_lib.accel import read_metrics
 from tutorial_lib.bench import decode_on_side_stream
 from tutorial_lib.core import seed_everything
-from tutorial_lib.transforms import jpeg_size
-from tutorial_lib.sources import embedded_data_path, read_bytes
-from tutorial_lib.loading import build_datasets
 from tutorial_lib.databench import decode_batch_on_device, decode_jpegs_on_cuda
+from tutorial_lib.loading import build_datasets
+from tutorial_lib.sources import embedded_data_path, read_bytes
+from tutorial_lib.transforms import jpeg_size
 
 pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
 
 DEVICE = torch.device(os.environ.get("TUTORIAL_TEST_DEVICE", "cuda"))
 ASSETS = Path(__file__).resolve().parent / "assets" / "imagenet"
-needs_device = pytest.mark.skipif(DEVICE.type == "cuda" and not torch.cuda.is_available(),
-                                  reason="needs a CUDA GPU (or TUTORIAL_TEST_DEVICE=cpu)")
+needs_device = pytest.mark.skipif(
+    DEVICE.type == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU (or TUTORIAL_TEST_DEVICE=cpu)"
+)
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -80,11 +82,29 @@ def test_nvjpeg_decode_leaves_memory_that_queued_kernels_still_read_intact():
 
 @needs_device
 def test_training_script_runs_bf16_channels_last_ema_and_progressive_resizing_on_the_device(tmp_path):
-    args = T.default_args(model="resnet18", img_size=32, epochs=2, batch_size=32, max_train_samples=256,
-                          max_val_samples=64, num_workers=2, cpu=DEVICE.type == "cpu", mixed_precision="bf16",
-                          channels_last=True, ema=True, ema_decay=0.9, min_res=24, max_res=32, end_ramp=1, res_step=8,
-                          log_with="none", disable_progress_bar=True, learning_rate=0.05,
-                          working_directory=str(tmp_path), experiment_name="gpu")
+    args = T.default_args(
+        model="resnet18",
+        img_size=32,
+        epochs=2,
+        batch_size=32,
+        max_train_samples=256,
+        max_val_samples=64,
+        num_workers=2,
+        cpu=DEVICE.type == "cpu",
+        mixed_precision="bf16",
+        channels_last=True,
+        ema=True,
+        ema_decay=0.9,
+        min_res=24,
+        max_res=32,
+        end_ramp=1,
+        res_step=8,
+        log_with="none",
+        disable_progress_bar=True,
+        learning_rate=0.05,
+        working_directory=str(tmp_path),
+        experiment_name="gpu",
+    )
     final = T.train(args)
     rows = read_metrics(tmp_path / "gpu" / "metrics.jsonl")
     assert final["finished"] and final["optimizer_steps"] == 2 * (256 // 32)
@@ -99,10 +119,24 @@ def test_training_script_runs_bf16_channels_last_ema_and_progressive_resizing_on
 
 @needs_device
 def test_training_script_compiles_with_inductor_on_the_device(tmp_path):
-    args = T.default_args(model="tinycnn", img_size=16, epochs=1, batch_size=16, max_train_samples=64,
-                          max_val_samples=40, num_workers=0, cpu=DEVICE.type == "cpu", mixed_precision="bf16",
-                          compile=True, compile_backend="inductor", log_with="none", disable_progress_bar=True,
-                          learning_rate=0.05, working_directory=str(tmp_path), experiment_name="compiled")
+    args = T.default_args(
+        model="tinycnn",
+        img_size=16,
+        epochs=1,
+        batch_size=16,
+        max_train_samples=64,
+        max_val_samples=40,
+        num_workers=0,
+        cpu=DEVICE.type == "cpu",
+        mixed_precision="bf16",
+        compile=True,
+        compile_backend="inductor",
+        log_with="none",
+        disable_progress_bar=True,
+        learning_rate=0.05,
+        working_directory=str(tmp_path),
+        experiment_name="compiled",
+    )
     final = T.train(args)
     assert final["finished"] and torch.isfinite(torch.tensor(final["train_loss"]))
     assert final["optimizer_steps"] == 64 // 16
@@ -124,11 +158,27 @@ def count_host_syncs(fn) -> int:
 def test_training_steps_never_wait_for_the_gpu(tmp_path):
     """An epoch of 8 optimizer steps synchronizes exactly as often as one of 4: nothing inside a step
     (data copy, normalization, forward, backward, optimizer, scheduler, metrics, EMA) waits for the GPU."""
+
     def epoch_of(steps: int):
-        args = T.default_args(model="resnet18", img_size=32, epochs=1, batch_size=16, max_train_samples=16 * steps,
-                              max_val_samples=32, num_workers=2, mixed_precision="bf16", channels_last=True,
-                              ema=True, ema_decay=0.9, log_interval=0, log_with="none", disable_progress_bar=True,
-                              learning_rate=0.05, working_directory=str(tmp_path), experiment_name=f"sync{steps}")
+        args = T.default_args(
+            model="resnet18",
+            img_size=32,
+            epochs=1,
+            batch_size=16,
+            max_train_samples=16 * steps,
+            max_val_samples=32,
+            num_workers=2,
+            mixed_precision="bf16",
+            channels_last=True,
+            ema=True,
+            ema_decay=0.9,
+            log_interval=0,
+            log_with="none",
+            disable_progress_bar=True,
+            learning_rate=0.05,
+            working_directory=str(tmp_path),
+            experiment_name=f"sync{steps}",
+        )
         return lambda: T.train(args)
 
     count_host_syncs(epoch_of(2))  # one-time work (CUDA context, kernels, caches) happens here

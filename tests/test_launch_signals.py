@@ -6,6 +6,7 @@ end bit-identical to one never stopped. Ctrl-C (SIGINT, sent as a terminal sends
 group) is the same polite stop with exit 130; a second one stops at once. Under `accelerate launch`, which returns
 1 for any failure, the script's own exit status (2, 3, 143) reaches `$TUTORIAL_EXIT_STATUS_FILE` with one line from
 one process, and the SLURM script acts on that status."""
+
 import json
 import multiprocessing
 import os
@@ -20,15 +21,29 @@ from pathlib import Path
 import pytest
 
 from tutorial_lib.checkpoints import latest_checkpoint, list_checkpoints
-from tutorial_lib.launching import (EXIT_STATUS_ENV, launch_with_timeout, launcher_name, read_exit_status,
-                                    record_exit_status)
-from tutorial_lib.runs import StopAtOnce, StopRequest
 from tutorial_lib.cli import as_flags, config_path
+from tutorial_lib.launching import (
+    EXIT_STATUS_ENV,
+    launch_with_timeout,
+    launcher_name,
+    read_exit_status,
+    record_exit_status,
+)
+from tutorial_lib.runs import StopAtOnce, StopRequest
 from tutorial_lib.stress import CliResult, TrainingProcess, _running, child_env, make_image_folder, run_cli, sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = dict(model="tinycnn", img_size=16, batch_size=4, learning_rate=0.05, num_workers=0, cpu=True, log_with="none",
-            disable_progress_bar=True, log_interval=0)
+BASE = dict(
+    model="tinycnn",
+    img_size=16,
+    batch_size=4,
+    learning_rate=0.05,
+    num_workers=0,
+    cpu=True,
+    log_with="none",
+    disable_progress_bar=True,
+    log_interval=0,
+)
 LONG = dict(BASE, epochs=40)  # 6 optimizer steps per epoch on one process: a signal lands during training
 ONE_PROCESS = ("accelerate", "accelerate_1gpu")  # `--num_processes 1` (plain subprocess), 1gpu.yaml (torchrun's agent)
 STOPPED = "checkpoint saved, resume with --resume_from_checkpoint latest"
@@ -71,8 +86,9 @@ def stopped_line(result: CliResult) -> str:
     return lines[0]
 
 
-def assert_checkpointed_and_resumes_identically(tmp_path, data, name, launcher, stopped: CliResult, signame: str,
-                                                expected_sha: str) -> None:
+def assert_checkpointed_and_resumes_identically(
+    tmp_path, data, name, launcher, stopped: CliResult, signame: str, expected_sha: str
+) -> None:
     """The run stopped after a step it names, with a checkpoint of that step; resumed, it ends with `expected_sha`."""
     line = stopped_line(stopped)
     assert f"({signame}): {STOPPED}" in line, line
@@ -86,10 +102,12 @@ def assert_checkpointed_and_resumes_identically(tmp_path, data, name, launcher, 
 
 # --- 5. SIGTERM reaches the training on every launch path -------------------------------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ONE_PROCESS)
 def test_sigterm_to_a_one_process_accelerate_launch_checkpoints_exits_143_and_resumes_identically(
-        tmp_path, data, straight, launcher):
+    tmp_path, data, straight, launcher
+):
     proc = start(tmp_path, data, "run", launcher)
     wait_for_first_epoch(tmp_path, "run", proc)
     family = proc._list_family(every=0)
@@ -110,14 +128,17 @@ def test_sigterm_to_a_one_process_accelerate_launch_checkpoints_exits_143_and_re
 
 
 @pytest.mark.slow
-def test_sigterm_to_a_two_process_accelerate_launch_checkpoints_exits_143_and_resumes_identically(tmp_path, data,
-                                                                                                 straight):
+def test_sigterm_to_a_two_process_accelerate_launch_checkpoints_exits_143_and_resumes_identically(
+    tmp_path, data, straight
+):
     proc = start(tmp_path, data, "run", "accelerate_2proc")
     wait_for_first_epoch(tmp_path, "run", proc)
     proc.terminate(signal.SIGTERM, 300)
     stopped = proc.result(10)
     assert stopped.returncode == 143 and stopped.launcher_returncode == 1, (stopped.returncode, stopped.stderr[-3000:])
-    assert_checkpointed_and_resumes_identically(tmp_path, data, "run", "accelerate_2proc", stopped, "SIGTERM", straight[2])
+    assert_checkpointed_and_resumes_identically(
+        tmp_path, data, "run", "accelerate_2proc", stopped, "SIGTERM", straight[2]
+    )
 
 
 NOTEBOOK_LAUNCH = textwrap.dedent("""
@@ -142,18 +163,30 @@ NOTEBOOK_LAUNCH = textwrap.dedent("""
 def notebook_launch(tmp_path, data, name, processes, **extra) -> subprocess.Popen:
     script = tmp_path / "notebook_launch.py"
     script.write_text(NOTEBOOK_LAUNCH)
-    options = {**LONG, "path_to_data": str(data), "working_directory": str(tmp_path / "runs"), "experiment_name": name,
-               **extra}
+    options = {
+        **LONG,
+        "path_to_data": str(data),
+        "working_directory": str(tmp_path / "runs"),
+        "experiment_name": name,
+        **extra,
+    }
     out = open(tmp_path / f"{name}.out", "a")
-    return subprocess.Popen([sys.executable, str(script), json.dumps(options), str(processes)], cwd=ROOT,
-                            env=child_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, str(script), json.dumps(options), str(processes)],
+        cwd=ROOT,
+        env=child_env(),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2])
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl_c"])
-def test_a_signal_to_a_notebook_launcher_process_checkpoints_and_resumes_identically(tmp_path, data, straight,
-                                                                                     processes, signum):
+def test_a_signal_to_a_notebook_launcher_process_checkpoints_and_resumes_identically(
+    tmp_path, data, straight, processes, signum
+):
     """SIGTERM goes to the process that called `notebook_launcher`; Ctrl-C to its whole process group, as a terminal
     sends it (with 2 processes the workers then get it twice: from the terminal and from torch's agent)."""
     proc = notebook_launch(tmp_path, data, "nb", processes)
@@ -190,8 +223,16 @@ def test_launch_with_timeout_puts_back_the_signal_handlers_torchs_agent_installs
 
 CASES = {  # case -> (options, exit status, the one line's start)
     "bad flag": (dict(epochs=0), 2, "tutorial-train: error: --epochs must be >= 1, got 0"),
-    "bad flag combination": (dict(lr_scheduler="cosine", lr_min=1), 2, "tutorial-train: error: --lr_min 1 must be below"),
-    "nan loss": (dict(inject_nan_at_steps=[3]), 3, "tutorial-train: error: the loss became NaN or Inf at optimizer step 3"),
+    "bad flag combination": (
+        dict(lr_scheduler="cosine", lr_min=1),
+        2,
+        "tutorial-train: error: --lr_min 1 must be below",
+    ),
+    "nan loss": (
+        dict(inject_nan_at_steps=[3]),
+        3,
+        "tutorial-train: error: the loss became NaN or Inf at optimizer step 3",
+    ),
 }
 
 
@@ -202,8 +243,20 @@ def test_the_scripts_exit_status_and_one_line_survive_accelerate_launch(tmp_path
     """`accelerate launch` returns 1 whatever failed (documented); the script's status reaches the status file, and
     its line is printed once, by one process, without a traceback of the script (the launcher adds its own)."""
     options, status, line = CASES[case]
-    done = run_cli(as_flags({**BASE, "epochs": 2, **options, "path_to_data": data, "working_directory": tmp_path / "runs",
-                             "experiment_name": "run"}), launcher=launcher, timeout=300)
+    done = run_cli(
+        as_flags(
+            {
+                **BASE,
+                "epochs": 2,
+                **options,
+                "path_to_data": data,
+                "working_directory": tmp_path / "runs",
+                "experiment_name": "run",
+            }
+        ),
+        launcher=launcher,
+        timeout=300,
+    )
     assert (done.returncode, done.launcher_returncode) == (status, 1), (done.returncode, done.stderr[-3000:])
     errors = [l for l in done.stderr_lines if l.startswith("tutorial-train:")]
     assert len(errors) == 1 and errors[0].startswith(line), errors
@@ -256,22 +309,39 @@ STUBS = {  # stand-ins for SLURM's commands and for `accelerate`, which returns 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("outcome, status, requeued", [
-    ("term", 143, True), ("2", 2, False), ("3", 3, False), ("0", 0, False), ("crash", 1, False)])
+@pytest.mark.parametrize(
+    "outcome, status, requeued",
+    [("term", 143, True), ("2", 2, False), ("3", 3, False), ("0", 0, False), ("crash", 1, False)],
+)
 def test_the_slurm_script_requeues_only_a_run_stopped_with_a_checkpoint_and_exits_with_the_trainings_status(
-        tmp_path, outcome, status, requeued):
+    tmp_path, outcome, status, requeued
+):
     stubs = tmp_path / "bin"
     stubs.mkdir()
     for name, text in STUBS.items():
         (stubs / name).write_text(text)
         (stubs / name).chmod(0o755)
     path = os.pathsep.join([str(stubs), str(Path(sys.executable).parent), os.environ["PATH"]])  # this Python first
-    env = child_env(PATH=path, SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node[0-1]",
-                    SLURM_NNODES="2", WORKDIR=str(tmp_path / "runs"), SCONTROL_LOG=str(tmp_path / "scontrol.log"),
-                    STUB_OUTCOME=outcome, STUB_READY=str(tmp_path / "ready"), STUB_ARGS=str(tmp_path / "args"),
-                    PYTHONPATH=str(ROOT))
-    job = subprocess.Popen(["bash", str(config_path("slurm_2nodes_8gpus.sbatch"))], cwd=tmp_path, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = child_env(
+        PATH=path,
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST="node[0-1]",
+        SLURM_NNODES="2",
+        WORKDIR=str(tmp_path / "runs"),
+        SCONTROL_LOG=str(tmp_path / "scontrol.log"),
+        STUB_OUTCOME=outcome,
+        STUB_READY=str(tmp_path / "ready"),
+        STUB_ARGS=str(tmp_path / "args"),
+        PYTHONPATH=str(ROOT),
+    )
+    job = subprocess.Popen(
+        ["bash", str(config_path("slurm_2nodes_8gpus.sbatch"))],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     if outcome == "term":  # the time limit is near: SLURM sends SIGUSR1 to the batch script
         deadline = time.time() + 60
         while not (tmp_path / "ready").exists() and time.time() < deadline:
@@ -287,10 +357,12 @@ def test_the_slurm_script_requeues_only_a_run_stopped_with_a_checkpoint_and_exit
 
 # --- 10. Ctrl-C -----------------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["python", *ONE_PROCESS, "accelerate_2proc"])
-def test_ctrl_c_in_a_terminal_checkpoints_exits_130_with_one_line_and_resumes_identically(tmp_path, data, straight,
-                                                                                         launcher):
+def test_ctrl_c_in_a_terminal_checkpoints_exits_130_with_one_line_and_resumes_identically(
+    tmp_path, data, straight, launcher
+):
     """Ctrl-C reaches every process of the terminal's foreground group: the launcher and its training process (with
     `python`: the run and its two data loader workers)."""
     options = dict(LONG, num_workers=2) if launcher == "python" else LONG
@@ -300,8 +372,9 @@ def test_ctrl_c_in_a_terminal_checkpoints_exits_130_with_one_line_and_resumes_id
     stopped = proc.result(10)
     assert stopped.returncode == 130, (stopped.returncode, stopped.stderr[-3000:])
     said = [l for l in stopped.stderr_lines if l.startswith("Ctrl-C")]
-    assert said == ["Ctrl-C: stopping after this optimizer step, with a checkpoint; press Ctrl-C again to stop at once, "
-                    "without one"], stopped.stderr_lines
+    assert said == [
+        "Ctrl-C: stopping after this optimizer step, with a checkpoint; press Ctrl-C again to stop at once, without one"
+    ], stopped.stderr_lines
     if launcher == "python":
         assert stopped.stderr_lines == said, "one line, no traceback"
     processes = 2 if launcher == "accelerate_2proc" else 1
@@ -325,8 +398,10 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint_in_one_line(tmp_path
     seconds = time.perf_counter() - sent
     done = proc.result(10)
     assert done.returncode == 130 and not done.has_traceback, (done.returncode, done.stderr[-3000:])
-    assert done.stderr_lines[-1] == ("tutorial-train: stopped at once by a second Ctrl-C, without a checkpoint; the "
-                                     "last one is none: resume with --resume_from_checkpoint latest"), done.stderr_lines
+    assert done.stderr_lines[-1] == (
+        "tutorial-train: stopped at once by a second Ctrl-C, without a checkpoint; the "
+        "last one is none: resume with --resume_from_checkpoint latest"
+    ), done.stderr_lines
     assert len(done.stderr_lines) == 2 and done.stderr_lines[0].startswith("Ctrl-C: stopping after this optimizer step")
     assert not list_checkpoints(tmp_path / "runs" / "slow") and seconds < 60
 
@@ -366,7 +441,10 @@ def test_a_forked_data_loader_worker_leaves_ctrl_c_to_its_parent():
 
 
 def test_launchers_are_recognised_by_their_command_line():
-    assert launcher_name(["/v/bin/python", "/v/bin/accelerate", "launch", "-m", "tutorial_lib.train"]) == "accelerate launch"
+    assert (
+        launcher_name(["/v/bin/python", "/v/bin/accelerate", "launch", "-m", "tutorial_lib.train"])
+        == "accelerate launch"
+    )
     assert launcher_name(["python", "-m", "accelerate.commands.launch", "x.py"]) == "accelerate.commands.launch"
     assert launcher_name(["/v/bin/python", "/v/bin/accelerate-launch", "x.py"]) == "accelerate-launch"
     assert launcher_name(["/v/bin/python", "/v/bin/torchrun", "--nproc_per_node", "2", "x.py"]) == "torchrun"

@@ -1,6 +1,7 @@
 """tutorial_lib.launching: `launch_with_timeout` kills a hung launch and runs each process on one thread.
 
 The launched functions live at module level so that they can be pickled."""
+
 import json
 import multiprocessing
 import os
@@ -58,8 +59,9 @@ def note_threads(out: str) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         accelerator = Accelerator(cpu=True)
-    Path(f"{out}.{accelerator.process_index}").write_text(json.dumps(
-        [os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads(), [str(w.message) for w in caught]]))
+    Path(f"{out}.{accelerator.process_index}").write_text(
+        json.dumps([os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads(), [str(w.message) for w in caught]])
+    )
 
 
 @pytest.mark.slow

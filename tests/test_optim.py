@@ -26,10 +26,14 @@ def test_param_groups_defaults_equal_the_training_script_defaults():
 
     args = default_args()
     assert args.norm_weight_decay is None and args.bias_weight_decay is None
-    groups = param_groups(torchvision.models.resnet18(), args.weight_decay, args.norm_weight_decay,
-                          args.bias_weight_decay)
-    assert {g["name"]: g["weight_decay"] for g in groups} == {"weight": args.weight_decay, "norm": args.weight_decay,
-                                                              "bias": args.weight_decay}
+    groups = param_groups(
+        torchvision.models.resnet18(), args.weight_decay, args.norm_weight_decay, args.bias_weight_decay
+    )
+    assert {g["name"]: g["weight_decay"] for g in groups} == {
+        "weight": args.weight_decay,
+        "norm": args.weight_decay,
+        "bias": args.weight_decay,
+    }
 
 
 def test_one_sgd_step_with_default_groups_equals_sgd_weight_decay_on_all_parameters():
@@ -38,8 +42,10 @@ def test_one_sgd_step_with_default_groups_equals_sgd_weight_decay_on_all_paramet
     twin = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
     twin.load_state_dict(model.state_dict())
     x = torch.randn(5, 3, 8, 8)
-    for net, optimizer in [(model, torch.optim.SGD(param_groups(model, 0.05), lr=0.1, momentum=0.9)),
-                           (twin, torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9, weight_decay=0.05))]:
+    for net, optimizer in [
+        (model, torch.optim.SGD(param_groups(model, 0.05), lr=0.1, momentum=0.9)),
+        (twin, torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9, weight_decay=0.05)),
+    ]:
         for _ in range(3):
             optimizer.zero_grad()
             net(x).square().mean().backward()
@@ -56,7 +62,8 @@ def test_exempting_norms_and_biases_decays_53_convs_and_fc_weight_and_nothing_el
     decayed = [names[id(p)] for g in groups if g["weight_decay"] > 0 for p in g["params"]]
     modules = dict(model.named_modules())
     assert sorted(n for n in decayed if isinstance(modules[n.rsplit(".", 1)[0]], nn.Conv2d)) == sorted(
-        f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Conv2d))
+        f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Conv2d)
+    )
     assert "fc.weight" in decayed and len(decayed) == 54
     assert sum(len(g["params"]) for g in groups if g["weight_decay"] == 0) == 107
 
@@ -82,8 +89,17 @@ def test_groups_carry_the_requested_decays_and_drop_empty_groups():
     assert [(g["name"], g["weight_decay"]) for g in groups] == [("weight", 0.05), ("norm", 0.01)]
 
 
-@pytest.mark.parametrize("norm", [nn.BatchNorm1d(4), nn.SyncBatchNorm(4), nn.InstanceNorm1d(4, affine=True),
-                                  nn.GroupNorm(2, 4), nn.LayerNorm(4), nn.RMSNorm(4)])
+@pytest.mark.parametrize(
+    "norm",
+    [
+        nn.BatchNorm1d(4),
+        nn.SyncBatchNorm(4),
+        nn.InstanceNorm1d(4, affine=True),
+        nn.GroupNorm(2, 4),
+        nn.LayerNorm(4),
+        nn.RMSNorm(4),
+    ],
+)
 def test_every_normalization_type_is_grouped_as_norm_whatever_its_name(norm):
     model = nn.Sequential()
     model.add_module("x", nn.Linear(4, 4))

@@ -1,5 +1,6 @@
 """Tests of tutorial_lib.parallel (notebook 02): real 2-process DDP and FSDP, ring all-reduce, ZeRO arithmetic,
 pipeline and tensor parallelism."""
+
 import json
 import os
 import socket
@@ -12,12 +13,30 @@ import torchvision
 from torch import nn
 
 from tutorial_lib.accumulation import make_toy_cnn, toy_batch
-from tutorial_lib.parallel import (ZERO_STAGES, CollectiveCounter, ColumnParallelLinear, PipelineModel,
-                                   RowParallelLinear, bubble_fraction, collective_bytes, collective_counts,
-                                   idle_fraction, longest_gradient_sum, naive_allreduce_bytes, pipeline_devices,
-                                   pipeline_schedule, resnet_stages, ring_allreduce, ring_allreduce_bytes,
-                                   ring_allreduce_seconds, run_ddp_gradient_check, run_ddp_timeline,
-                                   sharded_state_bytes, sharded_traffic_bytes, summation_tolerance)
+from tutorial_lib.parallel import (
+    ZERO_STAGES,
+    CollectiveCounter,
+    ColumnParallelLinear,
+    PipelineModel,
+    RowParallelLinear,
+    bubble_fraction,
+    collective_bytes,
+    collective_counts,
+    idle_fraction,
+    longest_gradient_sum,
+    naive_allreduce_bytes,
+    pipeline_devices,
+    pipeline_schedule,
+    resnet_stages,
+    ring_allreduce,
+    ring_allreduce_bytes,
+    ring_allreduce_seconds,
+    run_ddp_gradient_check,
+    run_ddp_timeline,
+    sharded_state_bytes,
+    sharded_traffic_bytes,
+    summation_tolerance,
+)
 
 
 @pytest.mark.slow
@@ -29,16 +48,16 @@ def test_ddp_two_processes_match_single_process_even_with_port_29500_taken():
             blocker.bind(("127.0.0.1", 29500))
             blocker.listen()
         except OSError:
-            pass   # already taken by someone else: the same situation
+            pass  # already taken by someone else: the same situation
         result = run_ddp_gradient_check(num_processes=2, global_batch=16)
     assert result["num_processes"] == [2, 2]
     first, second = result["shards"]
     assert not set(first) & set(second) and sorted(first + second) == list(range(16))
     assert min(result["local_vs_full_relative"]) > 0.1  # one shard alone is not the full batch
     # the all-reduced average is, up to reordering its longest float32 sums (16 images x 16 x 16 positions)
-    assert result["num_terms"] == 16 * 16 * 16 and result["tolerance"] == 4096 * 2.0 ** -24
+    assert result["num_terms"] == 16 * 16 * 16 and result["tolerance"] == 4096 * 2.0**-24
     assert max(result["synced_vs_full_relative"]) <= result["tolerance"]
-    assert result["weights_equal_rank0"]                # prepare() broadcast process 0's weights
+    assert result["weights_equal_rank0"]  # prepare() broadcast process 0's weights
 
 
 def test_ddp_check_refuses_a_batch_that_does_not_split_evenly():
@@ -48,7 +67,7 @@ def test_ddp_check_refuses_a_batch_that_does_not_split_evenly():
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_ring_allreduce_sums_and_sends_2_n_minus_1_over_n_of_the_data(n):
-    tensors = [torch.randn(4, 210) for _ in range(n)]   # 840 floats, divisible by every n here
+    tensors = [torch.randn(4, 210) for _ in range(n)]  # 840 floats, divisible by every n here
     results, sent = ring_allreduce(tensors)
     total = torch.stack(tensors).sum(0)
     assert all(r.shape == (4, 210) and torch.allclose(r, total, atol=1e-5) for r in results)
@@ -102,8 +121,9 @@ def test_micro_batched_pipeline_gives_the_same_eval_outputs(resnet50):
 def test_resnet_stages_copy_the_layers_and_refuse_unknown_cuts(resnet50):
     first, second = resnet_stages(resnet50, "layer2")
     assert first[0] is not resnet50.conv1 and torch.equal(first[0].weight, resnet50.conv1.weight)
-    assert sum(p.numel() for p in first.parameters()) + sum(p.numel() for p in second.parameters()) == \
-        sum(p.numel() for p in resnet50.parameters())
+    assert sum(p.numel() for p in first.parameters()) + sum(p.numel() for p in second.parameters()) == sum(
+        p.numel() for p in resnet50.parameters()
+    )
     with pytest.raises(ValueError, match="split_after"):
         resnet_stages(resnet50, "layer9")
 
@@ -172,10 +192,11 @@ def test_tensor_parallel_refuses_more_shards_than_features():
 
 # --- tolerances derived from float32 summation order ----------------------------------------------------------
 
+
 def test_summation_tolerance_is_n_times_the_unit_roundoff():
-    assert summation_tolerance(1) == 2.0 ** -24
-    assert summation_tolerance(4096) == 4096 * 2.0 ** -24
-    assert summation_tolerance(10, torch.float64) == 10 * 2.0 ** -53
+    assert summation_tolerance(1) == 2.0**-24
+    assert summation_tolerance(4096) == 4096 * 2.0**-24
+    assert summation_tolerance(10, torch.float64) == 10 * 2.0**-53
     with pytest.raises(ValueError, match="num_terms"):
         summation_tolerance(0)
 
@@ -205,8 +226,10 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("which,threads,load", [("ddp", 1, False), ("ddp", 2, False), ("ddp", 4, False),
-                                                ("ddp", 2, True), ("fsdp", 1, False), ("fsdp", 4, False)])
+@pytest.mark.parametrize(
+    "which,threads,load",
+    [("ddp", 1, False), ("ddp", 2, False), ("ddp", 4, False), ("ddp", 2, True), ("fsdp", 1, False), ("fsdp", 4, False)],
+)
 def test_equivalence_checks_of_02_hold_at_1_2_4_threads_and_under_load(which, threads, load):
     # 02's equivalence comparisons, each in a fresh interpreter whose launched workers run `threads`
     # threads (OMP_NUM_THREADS set, so accelerate keeps them), optionally while two busy processes load
@@ -216,8 +239,14 @@ def test_equivalence_checks_of_02_hold_at_1_2_4_threads_and_under_load(which, th
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 if load else 0)]
     try:
-        out = subprocess.run([sys.executable, "-c", EQUIVALENCE_UNDER_THREADS, which, str(threads)], env=env,
-                             check=True, capture_output=True, text=True, timeout=600).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", EQUIVALENCE_UNDER_THREADS, which, str(threads)],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        ).stdout
     finally:
         for p in burners:
             p.kill()
@@ -225,7 +254,7 @@ def test_equivalence_checks_of_02_hold_at_1_2_4_threads_and_under_load(which, th
     result = json.loads(out.strip().splitlines()[-1])
     assert result["num_threads"] == [threads, threads]
     if which == "ddp":
-        assert result["tolerance"] == 4096 * 2.0 ** -24          # the notebook's n · u
+        assert result["tolerance"] == 4096 * 2.0**-24  # the notebook's n · u
         assert max(result["synced_vs_full_relative"]) <= result["tolerance"], result
         assert min(result["local_vs_full_relative"]) > 0.1, result
     else:
@@ -233,6 +262,7 @@ def test_equivalence_checks_of_02_hold_at_1_2_4_threads_and_under_load(which, th
 
 
 # --- the DDP timeline: buckets and overlap -------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def resnet18_timelines():
@@ -243,12 +273,12 @@ def resnet18_timelines():
 def test_ddp_all_reduces_buckets_while_backward_still_runs(resnet18_timelines, cap):
     run = resnet18_timelines[cap]
     counts = run["buckets_per_step"]
-    assert counts[0] == counts[1] and counts[0][0] == 1 and counts[0][1] > 1, counts   # one bucket, then rebuilt
+    assert counts[0] == counts[1] and counts[0][0] == 1 and counts[0][1] > 1, counts  # one bucket, then rebuilt
     for r in run["ranks"]:
         step = r["steps"][-1]
         events = [e for e in r["events"] if e["step"] == 1]
-        assert sum(e["bytes"] for e in events) == r["grad_bytes"]                 # every gradient exactly once
-        assert min(e["start"] for e in events) < step["last_gradient"] <= step["backward"][1]   # overlap
+        assert sum(e["bytes"] for e in events) == r["grad_bytes"]  # every gradient exactly once
+        assert min(e["start"] for e in events) < step["last_gradient"] <= step["backward"][1]  # overlap
         assert all(step["backward"][0] <= e["start"] <= e["end"] <= step["backward"][1] for e in events)
 
 
@@ -258,6 +288,7 @@ def test_smaller_buckets_make_more_of_them(resnet18_timelines):
 
 
 # --- ZeRO arithmetic and FSDP --------------------------------------------------------------------------------
+
 
 def test_sharded_state_reproduces_the_zero_paper_figure_1():
     # Rajbhandari et al. 2020, Figure 1: 7.5 B parameters, 64 GPUs, mixed-precision Adam
@@ -298,19 +329,24 @@ def test_collective_counter_records_a_real_all_reduce_and_all_gather(tmp_path):
             reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
             all_gather(torch.empty(6), torch.ones(6))
             reduce_scatter(torch.empty(3), torch.ones(3))
-        torch.ones(3).add_(1)                     # outside the mode: not recorded, and no error
+        torch.ones(3).add_(1)  # outside the mode: not recorded, and no error
     finally:
         dist.destroy_process_group()
-    assert collective_counts(counter.calls) == {("a", "all-reduce"): 1, ("b", "all-gather"): 1, ("b", "reduce-scatter"): 1}
+    assert collective_counts(counter.calls) == {
+        ("a", "all-reduce"): 1,
+        ("b", "all-gather"): 1,
+        ("b", "reduce-scatter"): 1,
+    }
     assert collective_bytes(counter.calls) == {"all-reduce": 40, "all-gather": 24, "reduce-scatter": 12}
 
 
 def test_shipped_fsdp_config_reaches_accelerates_fsdp2_plugin_through_the_launch_path():
     # the path `accelerate launch --config_file` takes: parser + config defaults -> environment -> plugin
+    from importlib.resources import files
+
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils import FullyShardedDataParallelPlugin, patch_environment
     from accelerate.utils.launch import prepare_multi_gpu_env
-    from importlib.resources import files
 
     path = str(files("tutorial_lib") / "configs" / "fsdp_8gpus.yaml")
     args = launch_command_parser().parse_args(["--config_file", path, "train.py"])
@@ -324,6 +360,7 @@ def test_shipped_fsdp_config_reaches_accelerates_fsdp2_plugin_through_the_launch
     assert plugin.transformer_cls_names_to_wrap == ["Bottleneck"]
     assert str(plugin.state_dict_type).endswith("SHARDED_STATE_DICT")
     import torchvision
+
     plugin.set_auto_wrap_policy(torchvision.models.resnet50())
     (cls,) = plugin.auto_wrap_policy.keywords["transformer_layer_cls"]
     assert cls is torchvision.models.resnet.Bottleneck

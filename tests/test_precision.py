@@ -4,14 +4,34 @@ import pytest
 import torch
 from torch import nn
 
-from tutorial_lib.precision import (FORMATS, autocast_output_dtypes, decode_bits, draw_bit_layout, finfo_table,
-                                    float_bits, sequential_sum, spacing)
+from tutorial_lib.precision import (
+    FORMATS,
+    autocast_output_dtypes,
+    decode_bits,
+    draw_bit_layout,
+    finfo_table,
+    float_bits,
+    sequential_sum,
+    spacing,
+)
 
 
 @pytest.mark.parametrize("dtype", list(FORMATS))
 def test_decoded_bits_equal_the_stored_value_for_normal_subnormal_and_special_numbers(dtype):
-    values = [0.0, -0.0, 1.0, -2.5, 0.1, 1e-7, 1e-40, 65504.0, 3e38, float("inf"), float("-inf"),
-              *torch.randn(100, generator=torch.Generator().manual_seed(1)).mul(100).tolist()]
+    values = [
+        0.0,
+        -0.0,
+        1.0,
+        -2.5,
+        0.1,
+        1e-7,
+        1e-40,
+        65504.0,
+        3e38,
+        float("inf"),
+        float("-inf"),
+        *torch.randn(100, generator=torch.Generator().manual_seed(1)).mul(100).tolist(),
+    ]
     E, M = FORMATS[dtype]
     for x in values:
         b = float_bits(x, dtype)
@@ -20,8 +40,12 @@ def test_decoded_bits_equal_the_stored_value_for_normal_subnormal_and_special_nu
 
 
 def test_known_bit_patterns_of_minus_6_5():
-    assert float_bits(-6.5, torch.float32) == {"sign": "1", "exponent": "10000001",
-                                               "mantissa": "101" + "0" * 20, "stored": -6.5}
+    assert float_bits(-6.5, torch.float32) == {
+        "sign": "1",
+        "exponent": "10000001",
+        "mantissa": "101" + "0" * 20,
+        "stored": -6.5,
+    }
     assert float_bits(-6.5, torch.float16)["exponent"] == "10001"
     assert float_bits(-6.5, torch.bfloat16)["mantissa"] == "1010000"
     assert math.isnan(decode_bits("0", "11111", "0000000001"))
@@ -35,9 +59,9 @@ def test_float_bits_refuses_other_dtypes():
 def test_finfo_table_follows_the_bit_layout_and_fp16_max_is_65504():
     rows = {r["dtype"]: r for r in finfo_table()}
     assert rows["float16"]["max"] == 65504.0
-    assert rows["bfloat16"]["eps"] == 2 ** -7 and rows["float16"]["eps"] == 2 ** -10
-    assert rows["bfloat16"]["smallest_normal"] == rows["float32"]["smallest_normal"] == 2.0 ** -126
-    assert rows["float16"]["smallest_subnormal"] == 2.0 ** -24
+    assert rows["bfloat16"]["eps"] == 2**-7 and rows["float16"]["eps"] == 2**-10
+    assert rows["bfloat16"]["smallest_normal"] == rows["float32"]["smallest_normal"] == 2.0**-126
+    assert rows["float16"]["smallest_subnormal"] == 2.0**-24
 
 
 @pytest.mark.parametrize("dtype", list(FORMATS))
@@ -66,7 +90,7 @@ def test_fp16_gradients_underflow_without_loss_scaling_and_bf16_ones_do_not():
     torch.manual_seed(0)
     layer = nn.Linear(8, 4)
     x = torch.randn(16, 8)
-    upstream = torch.full((16, 4), 2.0 ** -26)      # below half of fp16's smallest subnormal
+    upstream = torch.full((16, 4), 2.0**-26)  # below half of fp16's smallest subnormal
 
     def grad(dtype, scale=1.0):
         layer.zero_grad()
@@ -80,7 +104,7 @@ def test_fp16_gradients_underflow_without_loss_scaling_and_bf16_ones_do_not():
 
     reference = upstream.T @ x
     assert torch.count_nonzero(grad(torch.float16)) == 0
-    assert rel_error(grad(torch.float16, 2.0 ** 16)) < 1e-3
+    assert rel_error(grad(torch.float16, 2.0**16)) < 1e-3
     assert rel_error(grad(torch.bfloat16)) < 1e-2
 
 
@@ -90,13 +114,16 @@ def _drawn_fields(ax):
         if t.get_gid():
             name, field, i = t.get_gid().split("|")
             drawn.setdefault(name, {}).setdefault(field, {})[int(i)] = t.get_text()
-    return {name: {f: "".join(bits[i] for i in sorted(bits)) for f, bits in fields.items()}
-            for name, fields in drawn.items()}
+    return {
+        name: {f: "".join(bits[i] for i in sorted(bits)) for f, bits in fields.items()}
+        for name, fields in drawn.items()
+    }
 
 
 @pytest.mark.parametrize("x", [-0.1, 3.0, 65504.0, 1e-6])
 def test_draw_bit_layout_draws_each_formats_fields_and_they_decode_to_the_stored_value(x):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -114,12 +141,12 @@ def test_draw_bit_layout_draws_each_formats_fields_and_they_decode_to_the_stored
 
 
 def test_bf16_rounding_error_is_at_most_2_to_the_minus_8_and_reaches_it_above_a_power_of_two():
-    u = 2.0 ** -8
-    x = torch.tensor([1 + u * 1.001, 1.5 + u * 0.999, 3.0], dtype=torch.float64)   # just past / before midpoints
-    err = ((x.to(torch.bfloat16).double() - x).abs() / x)
+    u = 2.0**-8
+    x = torch.tensor([1 + u * 1.001, 1.5 + u * 0.999, 3.0], dtype=torch.float64)  # just past / before midpoints
+    err = (x.to(torch.bfloat16).double() - x).abs() / x
     assert (err <= u).all()
-    assert err[0] > 0.99 * u                   # just above 1: the largest relative error
-    assert err[1] < 0.7 * u                    # higher in the binade the same absolute error is relatively smaller
+    assert err[0] > 0.99 * u  # just above 1: the largest relative error
+    assert err[1] < 0.7 * u  # higher in the binade the same absolute error is relatively smaller
     assert err[2] == 0
 
 

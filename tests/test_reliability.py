@@ -6,6 +6,7 @@ tutorial_lib.train`) and must exit 2 with exactly one line on stderr and no trac
 loading (a planted pickle payload is refused and never runs), atomic checkpoints, the NaN/Inf guard,
 W&B without credentials or network, a dying worker in a 2-process launch; one run per folder, resumes that do
 what the command line says, flag checks before any data is read, SIGTERM, and a full disk."""
+
 import json
 import os
 import shutil
@@ -18,21 +19,43 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-
 from train_helpers import assert_user_error
 
+from tutorial_lib.checkpoints import (
+    MANIFEST,
+    incomplete_checkpoints,
+    latest_checkpoint,
+    list_checkpoints,
+    verify_checkpoint,
+)
 from tutorial_lib.cli import as_flags
 from tutorial_lib.sources import IMG_EXTENSIONS
-from tutorial_lib.stress import (CliResult, TrainingProcess, child_env, corrupt_image, first_files_of_process,
-                                 make_image_folder, run_cli, sha256_file)
-from tutorial_lib.checkpoints import (MANIFEST, incomplete_checkpoints, latest_checkpoint, list_checkpoints,
-                                      verify_checkpoint)
+from tutorial_lib.stress import (
+    CliResult,
+    TrainingProcess,
+    child_env,
+    corrupt_image,
+    first_files_of_process,
+    make_image_folder,
+    run_cli,
+    sha256_file,
+)
 
 pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = dict(model="tinycnn", img_size=16, epochs=1, batch_size=4, learning_rate=0.05, num_workers=0, cpu=True,
-            log_with="none", disable_progress_bar=True, log_interval=0)
+TINY = dict(
+    model="tinycnn",
+    img_size=16,
+    epochs=1,
+    batch_size=4,
+    learning_rate=0.05,
+    num_workers=0,
+    cpu=True,
+    log_with="none",
+    disable_progress_bar=True,
+    log_interval=0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +68,18 @@ def data(tmp_path_factory) -> Path:
 def finished_run(tmp_path_factory, data) -> Path:
     """A completed tinycnn run with mid-epoch checkpoints (the source of the checkpoint cases)."""
     work = tmp_path_factory.mktemp("runs")
-    done = run_cli(as_flags({**TINY, "epochs": 2, "checkpoint_every_steps": 2, "path_to_data": data,
-                             "working_directory": work, "experiment_name": "tiny"}))
+    done = run_cli(
+        as_flags(
+            {
+                **TINY,
+                "epochs": 2,
+                "checkpoint_every_steps": 2,
+                "path_to_data": data,
+                "working_directory": work,
+                "experiment_name": "tiny",
+            }
+        )
+    )
     assert done.returncode == 0, done.stderr
     return work / "tiny"
 
@@ -62,37 +95,53 @@ def copy_data(data: Path, tmp_path: Path) -> Path:
 
 # --- bad inputs: exit 2, one line, no traceback --------------------------------------------------
 
-@pytest.mark.parametrize("flag, value, shown", [
-    ("learning_rate", 0, "0.0"), ("learning_rate", -0.1, "-0.1"), ("learning_rate", "nan", "nan"),
-])
+
+@pytest.mark.parametrize(
+    "flag, value, shown",
+    [
+        ("learning_rate", 0, "0.0"),
+        ("learning_rate", -0.1, "-0.1"),
+        ("learning_rate", "nan", "nan"),
+    ],
+)
 def test_non_positive_or_nan_learning_rate_is_refused(tmp_path, data, flag, value, shown):
     assert_user_error(cli(tmp_path, data, **{flag: value}), f"--learning_rate must be a positive number, got {shown}")
 
 
-@pytest.mark.parametrize("flag, value", [("batch_size", 0), ("batch_size", -8), ("epochs", 0), ("epochs", -1),
-                                         ("gradient_accumulation_steps", 0)])
+@pytest.mark.parametrize(
+    "flag, value",
+    [("batch_size", 0), ("batch_size", -8), ("epochs", 0), ("epochs", -1), ("gradient_accumulation_steps", 0)],
+)
 def test_zero_or_negative_counts_are_refused(tmp_path, data, flag, value):
     assert_user_error(cli(tmp_path, data, **{flag: value}), f"--{flag} must be >= 1, got {value}")
 
 
 def test_batch_larger_than_the_training_set_is_refused(tmp_path, data):
-    assert_user_error(cli(tmp_path, data, batch_size=64),
-                      "--batch_size 64: the training set has 24 images, fewer than batch_size=64: with drop_last=True "
-                      "there would be no batch; lower the batch size")
+    assert_user_error(
+        cli(tmp_path, data, batch_size=64),
+        "--batch_size 64: the training set has 24 images, fewer than batch_size=64: with drop_last=True "
+        "there would be no batch; lower the batch size",
+    )
 
 
 def test_missing_data_path_is_refused(tmp_path, data):
     missing = tmp_path / "nowhere"
-    assert_user_error(cli(tmp_path, missing), f"--path_to_data: data folder {missing} does not exist: pass the folder "
-                                               "that holds train/ and val/ or parquet shards (for example --path_to_data "
-                                               "/data/imagenet), or a Hugging Face Hub id such as ILSVRC/imagenet-1k")
+    assert_user_error(
+        cli(tmp_path, missing),
+        f"--path_to_data: data folder {missing} does not exist: pass the folder "
+        "that holds train/ and val/ or parquet shards (for example --path_to_data "
+        "/data/imagenet), or a Hugging Face Hub id such as ILSVRC/imagenet-1k",
+    )
 
 
 def test_empty_data_path_is_refused(tmp_path, data):
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert_user_error(cli(tmp_path, empty), f"--path_to_data: no train/ folder in {empty} (it holds: nothing); expected "
-                                             f"{empty}/train/<class>/*.JPEG and {empty}/val/<class>/*.JPEG")
+    assert_user_error(
+        cli(tmp_path, empty),
+        f"--path_to_data: no train/ folder in {empty} (it holds: nothing); expected "
+        f"{empty}/train/<class>/*.JPEG and {empty}/val/<class>/*.JPEG",
+    )
 
 
 def test_empty_class_folder_is_refused(tmp_path, data):
@@ -100,41 +149,55 @@ def test_empty_class_folder_is_refused(tmp_path, data):
     for f in (root / "train" / "class_01").iterdir():
         f.unlink()
     extensions = "/".join(IMG_EXTENSIONS)  # the data module's list of image extensions
-    assert_user_error(cli(tmp_path, root), f"class folder {root}/train/class_01 has no images ({extensions}): add its "
-                                            "images or delete the empty folder")
+    assert_user_error(
+        cli(tmp_path, root),
+        f"class folder {root}/train/class_01 has no images ({extensions}): add its images or delete the empty folder",
+    )
 
 
 def test_train_val_class_mismatch_is_refused(tmp_path, data):
     root = copy_data(data, tmp_path)
     (root / "val" / "class_02").rename(root / "val" / "class_99")
-    assert_user_error(cli(tmp_path, root), f"{root}/train has 3 classes and {root}/val has 3; only in train: "
-                                            "['class_02'], only in val: ['class_99']: give both splits the same class folders (labels are "
-                                            "positions in the sorted list)")
+    assert_user_error(
+        cli(tmp_path, root),
+        f"{root}/train has 3 classes and {root}/val has 3; only in train: "
+        "['class_02'], only in val: ['class_99']: give both splits the same class folders (labels are "
+        "positions in the sorted list)",
+    )
 
 
 def test_num_classes_contradicting_the_data_is_refused(tmp_path, data):
-    assert_user_error(cli(tmp_path, data, num_classes=5),
-                      f"--num_classes 5 but {data} has 3 class folders; drop --num_classes to infer it")
+    assert_user_error(
+        cli(tmp_path, data, num_classes=5),
+        f"--num_classes 5 but {data} has 3 class folders; drop --num_classes to infer it",
+    )
 
 
 def test_unknown_model_is_refused(tmp_path, data):
     n = len(torchvision.models.list_models(module=torchvision.models))
-    assert_user_error(cli(tmp_path, data, model="resnet51"),
-                      "--model 'resnet51' is not a torchvision classification model; use 'tinycnn' or one of e.g. "
-                      f"resnet18, resnet50, mobilenet_v3_small ({n} available)")
+    assert_user_error(
+        cli(tmp_path, data, model="resnet51"),
+        "--model 'resnet51' is not a torchvision classification model; use 'tinycnn' or one of e.g. "
+        f"resnet18, resnet50, mobilenet_v3_small ({n} available)",
+    )
 
 
-@pytest.mark.parametrize("kind, reason", [
-    ("zero_byte", "not a recognised image format"),
-    ("truncated", "Image is incomplete or truncated"),
-    ("random_bytes", "not a recognised image format"),
-    ("not_an_image", "not a recognised image format"),
-])
+@pytest.mark.parametrize(
+    "kind, reason",
+    [
+        ("zero_byte", "not a recognised image format"),
+        ("truncated", "Image is incomplete or truncated"),
+        ("random_bytes", "not a recognised image format"),
+        ("not_an_image", "not a recognised image format"),
+    ],
+)
 def test_unreadable_image_stops_with_its_name(tmp_path, data, kind, reason):
     root = copy_data(data, tmp_path)
     bad = corrupt_image(root / "train" / "class_00" / "0003.jpg", kind)
-    assert_user_error(cli(tmp_path, root), f"cannot decode image {bad}: {reason}; delete or replace the file, or "
-                                            "pass --on_bad_file skip")
+    assert_user_error(
+        cli(tmp_path, root),
+        f"cannot decode image {bad}: {reason}; delete or replace the file, or pass --on_bad_file skip",
+    )
 
 
 def test_unreadable_image_is_skipped_and_counted_with_on_bad_file_skip(tmp_path, data):
@@ -147,18 +210,22 @@ def test_unreadable_image_is_skipped_and_counted_with_on_bad_file_skip(tmp_path,
 
 def test_resume_from_a_checkpoint_that_does_not_exist_is_refused(tmp_path, data):
     missing = tmp_path / "runs" / "bad" / "checkpoints" / "step_000000999"
-    assert_user_error(cli(tmp_path, data, resume_from_checkpoint=missing),
-                      f"--resume_from_checkpoint {missing} does not exist; pass a folder like "
-                      f"{tmp_path}/runs/bad/checkpoints/step_000000100, or 'latest'")
+    assert_user_error(
+        cli(tmp_path, data, resume_from_checkpoint=missing),
+        f"--resume_from_checkpoint {missing} does not exist; pass a folder like "
+        f"{tmp_path}/runs/bad/checkpoints/step_000000100, or 'latest'",
+    )
 
 
 def test_resume_from_a_half_written_checkpoint_folder_is_refused(tmp_path, data, finished_run):
     half = tmp_path / ".tmp-step_000000004"
     shutil.copytree(latest_checkpoint(finished_run), half)
     (half / MANIFEST).unlink()
-    assert_user_error(cli(tmp_path, data, resume_from_checkpoint=half),
-                      f"--resume_from_checkpoint {half} is not a complete checkpoint of this script (no checkpoint.json); "
-                      f"pass a folder like {tmp_path}/runs/bad/checkpoints/step_000000100, or 'latest'")
+    assert_user_error(
+        cli(tmp_path, data, resume_from_checkpoint=half),
+        f"--resume_from_checkpoint {half} is not a complete checkpoint of this script (no checkpoint.json); "
+        f"pass a folder like {tmp_path}/runs/bad/checkpoints/step_000000100, or 'latest'",
+    )
 
 
 def test_resume_from_another_models_checkpoint_is_refused(tmp_path, data, finished_run):
@@ -167,17 +234,23 @@ def test_resume_from_another_models_checkpoint_is_refused(tmp_path, data, finish
     done = cli(tmp_path, data, model="resnet18", resume_from_checkpoint=ckpt)
     from tutorial_lib.checkpoints import model_signature
     from tutorial_lib.train import build_model
+
     other = model_signature(build_model("resnet18", 3))
-    assert_user_error(done, f"--resume_from_checkpoint {ckpt} belongs to another model (tinycnn, 3 classes, "
-                            f"signature {sig}; this run: resnet18, 3 classes, signature {other}); resume with the same "
-                            "--model and data, or start a new --experiment_name")
+    assert_user_error(
+        done,
+        f"--resume_from_checkpoint {ckpt} belongs to another model (tinycnn, 3 classes, "
+        f"signature {sig}; this run: resnet18, 3 classes, signature {other}); resume with the same "
+        "--model and data, or start a new --experiment_name",
+    )
 
 
 def test_unwritable_working_directory_is_refused(tmp_path, data):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    assert_user_error(cli(tmp_path, data, working_directory=blocker),
-                      f"--working_directory {blocker} is not writable (Not a directory); choose a folder you can write to")
+    assert_user_error(
+        cli(tmp_path, data, working_directory=blocker),
+        f"--working_directory {blocker} is not writable (Not a directory); choose a folder you can write to",
+    )
 
 
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root ignores folder permissions")
@@ -186,17 +259,19 @@ def test_read_only_working_directory_is_refused(tmp_path, data):
     locked.mkdir()
     locked.chmod(0o555)
     try:
-        assert_user_error(cli(tmp_path, data, working_directory=locked),
-                          f"--working_directory {locked} is not writable (Permission denied); choose a folder you can "
-                          "write to")
+        assert_user_error(
+            cli(tmp_path, data, working_directory=locked),
+            f"--working_directory {locked} is not writable (Permission denied); choose a folder you can write to",
+        )
     finally:
         locked.chmod(0o755)
 
 
 def test_python_m_entry_point_reports_user_errors_the_same_way(tmp_path, data):
     """The fast (forked) runs above call the same `main` as `python -m tutorial_lib.train`."""
-    for options, message in [({"num_classes": 5}, f"--num_classes 5 but {data} has 3 class folders; drop --num_classes "
-                                                  "to infer it")]:
+    for options, message in [
+        ({"num_classes": 5}, f"--num_classes 5 but {data} has 3 class folders; drop --num_classes to infer it")
+    ]:
         real = cli(tmp_path, data, launcher="python", **options)
         assert_user_error(real, message)
         forked = cli(tmp_path, data, **options)
@@ -204,6 +279,7 @@ def test_python_m_entry_point_reports_user_errors_the_same_way(tmp_path, data):
 
 
 # --- safe loading: a planted pickle payload is refused and never runs -----------------------------
+
 
 class Payload:
     """Unpickling this calls `open(marker, "w")`: the marker file proves the code ran."""
@@ -224,7 +300,10 @@ def planted_run(tmp_path, finished_run, file_name: str, update_manifest: bool = 
     torch.save({"state": {}, "param_groups": [], "payload": Payload(marker)}, ckpt / file_name)
     if update_manifest:
         manifest = json.loads((ckpt / MANIFEST).read_text())
-        manifest["files"][file_name] = {"bytes": (ckpt / file_name).stat().st_size, "sha256": sha256_file(ckpt / file_name)}
+        manifest["files"][file_name] = {
+            "bytes": (ckpt / file_name).stat().st_size,
+            "sha256": sha256_file(ckpt / file_name),
+        }
         (ckpt / MANIFEST).write_text(json.dumps(manifest))
     return ckpt, marker
 
@@ -233,9 +312,12 @@ def planted_run(tmp_path, finished_run, file_name: str, update_manifest: bool = 
 def test_planted_pickle_payload_is_refused_and_never_runs(tmp_path, data, finished_run, file_name):
     ckpt, marker = planted_run(tmp_path, finished_run, file_name)
     done = cli(tmp_path, data, resume_from_checkpoint="latest")
-    assert_user_error(done, f"--resume_from_checkpoint {ckpt}: {file_name} holds more than tensors and numbers (it "
-                            "refers to io.open); torch.load(weights_only=True) refused it and nothing was run: only "
-                            "resume from checkpoints you wrote")
+    assert_user_error(
+        done,
+        f"--resume_from_checkpoint {ckpt}: {file_name} holds more than tensors and numbers (it "
+        "refers to io.open); torch.load(weights_only=True) refused it and nothing was run: only "
+        "resume from checkpoints you wrote",
+    )
     assert not marker.exists(), "the payload ran"
     torch.load(ckpt / file_name, weights_only=False)  # what an unsafe loader would have done
     assert marker.exists(), "the planted payload should be live (else this test proves nothing)"
@@ -247,19 +329,23 @@ def test_planted_payload_in_the_ema_state_is_refused(tmp_path, data):
     done = cli(tmp_path, data, ema=True, checkpoint_every_steps=2, experiment_name="ema")
     assert done.returncode == 0, done.stderr
     ckpt, marker = planted_run(tmp_path, tmp_path / "runs" / "ema", "custom_checkpoint_0.pkl")
-    assert_user_error(cli(tmp_path, data, ema=True, resume_from_checkpoint="latest"),
-                      f"--resume_from_checkpoint {ckpt}: custom_checkpoint_0.pkl holds more than tensors and numbers "
-                      "(it refers to io.open); torch.load(weights_only=True) refused it and nothing was run: only "
-                      "resume from checkpoints you wrote")
+    assert_user_error(
+        cli(tmp_path, data, ema=True, resume_from_checkpoint="latest"),
+        f"--resume_from_checkpoint {ckpt}: custom_checkpoint_0.pkl holds more than tensors and numbers "
+        "(it refers to io.open); torch.load(weights_only=True) refused it and nothing was run: only "
+        "resume from checkpoints you wrote",
+    )
     assert not marker.exists(), "the payload ran"
 
 
 def test_extra_pickle_file_in_a_checkpoint_is_refused(tmp_path, data, finished_run):
     """accelerate unpickles `custom_checkpoint_*.pkl` with weights_only=False: such a file must never be loaded."""
     ckpt, marker = planted_run(tmp_path, finished_run, "custom_checkpoint_0.pkl", update_manifest=False)
-    assert_user_error(cli(tmp_path, data, resume_from_checkpoint="latest"),
-                      f"--resume_from_checkpoint {ckpt}: unexpected file custom_checkpoint_0.pkl (not written by this "
-                      "script); refusing to load it")
+    assert_user_error(
+        cli(tmp_path, data, resume_from_checkpoint="latest"),
+        f"--resume_from_checkpoint {ckpt}: unexpected file custom_checkpoint_0.pkl (not written by this "
+        "script); refusing to load it",
+    )
     assert not marker.exists()
 
 
@@ -269,9 +355,11 @@ def test_altered_checkpoint_file_is_detected_by_its_hash(tmp_path, data, finishe
     blob = bytearray((ckpt / "model.safetensors").read_bytes())
     blob[-1] ^= 0xFF  # one flipped bit in the weights
     (ckpt / "model.safetensors").write_bytes(bytes(blob))
-    assert_user_error(cli(tmp_path, data, resume_from_checkpoint="latest"),
-                      f"--resume_from_checkpoint {ckpt}: model.safetensors is corrupt (its size or SHA-256 differs from "
-                      "checkpoint.json); resume from an older checkpoint")
+    assert_user_error(
+        cli(tmp_path, data, resume_from_checkpoint="latest"),
+        f"--resume_from_checkpoint {ckpt}: model.safetensors is corrupt (its size or SHA-256 differs from "
+        "checkpoint.json); resume from an older checkpoint",
+    )
 
 
 def test_no_checkpoint_file_is_unpickled_with_weights_only_false(finished_run):
@@ -284,6 +372,7 @@ def test_no_checkpoint_file_is_unpickled_with_weights_only_false(finished_run):
 
 
 # --- atomic checkpoints ----------------------------------------------------------------------------
+
 
 def test_latest_ignores_half_written_checkpoints_with_a_warning(tmp_path, data, finished_run):
     run = Path(shutil.copytree(finished_run, tmp_path / "runs" / "bad"))
@@ -315,15 +404,20 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_p
     assert clean.returncode == 0, clean.stderr
     run = tmp_path / "runs" / "bad"
     done = cli(tmp_path, data, **NAN_RUN, inject_nan_at_steps=[5])
-    assert_user_error(done, f"the loss became NaN or Inf at optimizer step 5 (epoch 0); training stopped and nothing "
-                            f"after it was saved. Last good checkpoint: {run}/checkpoints/step_000000004. Lower "
-                            "--learning_rate or set --max_grad_norm and resume with --resume_from_checkpoint latest, "
-                            "or pass --on_nonfinite_loss skip to skip such steps", code=3)
+    assert_user_error(
+        done,
+        f"the loss became NaN or Inf at optimizer step 5 (epoch 0); training stopped and nothing "
+        f"after it was saved. Last good checkpoint: {run}/checkpoints/step_000000004. Lower "
+        "--learning_rate or set --max_grad_norm and resume with --resume_from_checkpoint latest, "
+        "or pass --on_nonfinite_loss skip to skip such steps",
+        code=3,
+    )
     assert [p.name for p in list_checkpoints(run)] == ["step_000000002", "step_000000004"]
     good = run / "checkpoints" / "step_000000004"
     verify_checkpoint(good)  # complete and unaltered
-    assert sha256_file(good / "model.safetensors") == \
-        sha256_file(tmp_path / "runs" / "clean" / "checkpoints" / "step_000000004" / "model.safetensors")
+    assert sha256_file(good / "model.safetensors") == sha256_file(
+        tmp_path / "runs" / "clean" / "checkpoints" / "step_000000004" / "model.safetensors"
+    )
     resumed = cli(tmp_path, data, **NAN_RUN, resume_from_checkpoint="latest")
     assert resumed.returncode == 0, resumed.stderr
     assert sha256_file(run / "model.safetensors") == sha256_file(tmp_path / "runs" / "clean" / "model.safetensors")
@@ -337,6 +431,7 @@ def test_nan_loss_step_is_skipped_and_counted_with_on_nonfinite_loss_skip(tmp_pa
     final = json.loads((tmp_path / "runs" / "bad" / "final_metrics.json").read_text())
     assert final["nonfinite_skipped"] == 2 and final["optimizer_steps"] == 12
     from safetensors.torch import load_file
+
     assert all(torch.isfinite(t).all() for t in load_file(tmp_path / "runs" / "bad" / "model.safetensors").values())
 
 
@@ -345,27 +440,40 @@ def test_skipping_stops_when_every_step_is_non_finite(tmp_path, data):
     assert done.returncode == 3 and not done.has_traceback
     assert done.stderr_lines[-1] == (
         "tutorial-train: error: the loss was NaN or Inf at 10 optimizer steps in a row (up to step 10): skipping does "
-        "not help, the run diverged; lower --learning_rate or set --max_grad_norm and resume from an earlier checkpoint")
+        "not help, the run diverged; lower --learning_rate or set --max_grad_norm and resume from an earlier checkpoint"
+    )
 
 
 # --- no network ---------------------------------------------------------------------------------
 
+
 def test_wandb_without_credentials_logs_offline_says_so_and_does_not_delay_startup(tmp_path, data):
     home = tmp_path / "home"  # no ~/.netrc, no key in the environment; any network call would go nowhere
-    env = child_env(HOME=str(home), WANDB_MODE=None, WANDB_API_KEY=None, WANDB_BASE_URL="http://127.0.0.1:9",
-                    HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9")
+    env = child_env(
+        HOME=str(home),
+        WANDB_MODE=None,
+        WANDB_API_KEY=None,
+        WANDB_BASE_URL="http://127.0.0.1:9",
+        HTTPS_PROXY="http://127.0.0.1:9",
+        HTTP_PROXY="http://127.0.0.1:9",
+    )
     home.mkdir()
     flags = {**TINY, "path_to_data": data, "working_directory": tmp_path / "runs"}
     # The baseline is a run told to log offline: it pays the same W&B import and service start, which take
     # seconds more on a loaded machine, so the difference is only what finding no key costs (a network wait
     # would be tens of seconds).
-    offline = run_cli(as_flags({**flags, "experiment_name": "offline", "log_with": "wandb"}),
-                      env={**env, "WANDB_MODE": "offline"}, timeout=120)
+    offline = run_cli(
+        as_flags({**flags, "experiment_name": "offline", "log_with": "wandb"}),
+        env={**env, "WANDB_MODE": "offline"},
+        timeout=120,
+    )
     online = run_cli(as_flags({**flags, "experiment_name": "wb", "log_with": "wandb"}), env=env, timeout=120)
     assert offline.returncode == 0 and online.returncode == 0, online.stderr[-3000:]
     run = tmp_path / "runs" / "wb"
-    assert (f"W&B: no API key found (WANDB_API_KEY or `wandb login`), logging offline to {run / 'wandb'}; metrics.jsonl "
-            f"has every epoch; upload later with `wandb sync {run / 'wandb'}/offline-run-*`") in online.stdout
+    assert (
+        f"W&B: no API key found (WANDB_API_KEY or `wandb login`), logging offline to {run / 'wandb'}; metrics.jsonl "
+        f"has every epoch; upload later with `wandb sync {run / 'wandb'}/offline-run-*`"
+    ) in online.stdout
     assert list((run / "wandb").glob("offline-run-*")), "no offline W&B run was written"
     assert online.seconds - offline.seconds < 5, f"finding no key added {online.seconds - offline.seconds:.1f} s"
 
@@ -380,6 +488,7 @@ def test_log_with_none_logs_locally_only(tmp_path, data):
 
 # --- a dying worker ---------------------------------------------------------------------------------
 
+
 def test_one_failing_process_ends_the_whole_two_process_launch_quickly(tmp_path, data):
     """Process 1 meets a corrupt image in its first batch while process 0 waits for it in the all-reduce."""
     root = copy_data(data, tmp_path)
@@ -387,27 +496,43 @@ def test_one_failing_process_ends_the_whole_two_process_launch_quickly(tmp_path,
     corrupt_image(victim, "not_an_image")
     assert victim not in first_files_of_process(root, batch_size=4, process_index=0, num_processes=2)
     from tutorial_lib.core import free_port
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--main_process_port", str(free_port()), "-m", "tutorial_lib.train",
-           *as_flags({**TINY, "path_to_data": root, "working_directory": tmp_path / "runs", "experiment_name": "ddp"})]
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "tutorial_lib.train",
+        *as_flags({**TINY, "path_to_data": root, "working_directory": tmp_path / "runs", "experiment_name": "ddp"}),
+    ]
     start = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240)
     seconds = time.perf_counter() - start
     assert done.returncode != 0, "the launch should fail"
     assert seconds < 120, f"the launch took {seconds:.0f} s to give up"
-    assert (f"tutorial-train: error (process 1): cannot decode image {victim}: not a recognised image format; delete or "
-            "replace the file, or pass --on_bad_file skip") in done.stderr
+    assert (
+        f"tutorial-train: error (process 1): cannot decode image {victim}: not a recognised image format; delete or "
+        "replace the file, or pass --on_bad_file skip"
+    ) in done.stderr
 
 
 # --- one run per folder -----------------------------------------------------------------------------
 
+
 def test_a_fresh_run_in_a_folder_holding_a_run_stops_and_changes_nothing(tmp_path, data, finished_run):
     run = Path(shutil.copytree(finished_run, tmp_path / "runs" / "bad"))
     before = {p.relative_to(run): sha256_file(p) for p in run.rglob("*") if p.is_file() and p.name != ".run.lock"}
-    assert_user_error(cli(tmp_path, data, epochs=2),
-                      f"{run} already holds a run (checkpoints, metrics.jsonl, model.safetensors, final_metrics.json): "
-                      "resume it with --resume_from_checkpoint latest, give this run another --experiment_name, or "
-                      "pass --overwrite to move the old run aside (nothing is deleted)")
+    assert_user_error(
+        cli(tmp_path, data, epochs=2),
+        f"{run} already holds a run (checkpoints, metrics.jsonl, model.safetensors, final_metrics.json): "
+        "resume it with --resume_from_checkpoint latest, give this run another --experiment_name, or "
+        "pass --overwrite to move the old run aside (nothing is deleted)",
+    )
     after = {p.relative_to(run): sha256_file(p) for p in run.rglob("*") if p.is_file() and p.name != ".run.lock"}
     assert after == before, "the old run must be left exactly as it was"
 
@@ -420,9 +545,11 @@ def test_overwrite_moves_the_old_run_aside_and_never_deletes_it(tmp_path, data, 
     aside = [p for p in run.parent.iterdir() if p.name.startswith("bad.replaced-")]
     assert len(aside) == 1 and sha256_file(aside[0] / "model.safetensors") == old_weights
     assert [r["epoch"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [0]
-    assert_user_error(cli(tmp_path, data, overwrite=True, resume_from_checkpoint="latest"),
-                      "--overwrite moves the run in the folder aside and starts a new one; --resume_from_checkpoint "
-                      "continues it: give one of them")
+    assert_user_error(
+        cli(tmp_path, data, overwrite=True, resume_from_checkpoint="latest"),
+        "--overwrite moves the run in the folder aside and starts a new one; --resume_from_checkpoint "
+        "continues it: give one of them",
+    )
 
 
 def test_latest_resumes_only_checkpoints_of_the_folders_own_run(tmp_path, data, finished_run):
@@ -437,13 +564,23 @@ def test_latest_resumes_only_checkpoints_of_the_folders_own_run(tmp_path, data, 
     done = cli(tmp_path, data, epochs=3, checkpoint_every_steps=2, resume_from_checkpoint="latest")
     assert done.returncode == 0, done.stderr
     assert f"resumed from {own}:" in done.stdout
-    assert any(line.startswith(f"warning: ignoring checkpoint {run / 'checkpoints' / foreign.name}: it belongs to run")
-               for line in done.stderr_lines), done.stderr
+    assert any(
+        line.startswith(f"warning: ignoring checkpoint {run / 'checkpoints' / foreign.name}: it belongs to run")
+        for line in done.stderr_lines
+    ), done.stderr
 
 
 def test_a_second_run_at_once_is_refused_and_a_killed_runs_lock_is_taken_over(tmp_path, data):
-    flags = as_flags({**TINY, "path_to_data": data, "working_directory": tmp_path / "runs", "experiment_name": "busy",
-                      "epochs": 200, "checkpoint_every_steps": 2})
+    flags = as_flags(
+        {
+            **TINY,
+            "path_to_data": data,
+            "working_directory": tmp_path / "runs",
+            "experiment_name": "busy",
+            "epochs": 200,
+            "checkpoint_every_steps": 2,
+        }
+    )
     first = TrainingProcess(flags, tmp_path / "logs" / "first", launcher="fork")
     try:
         lock = tmp_path / "runs" / "busy" / ".run.lock"
@@ -452,24 +589,43 @@ def test_a_second_run_at_once_is_refused_and_a_killed_runs_lock_is_taken_over(tm
             time.sleep(0.1)
         assert first.poll() is None, "the first run should still be running"
         second = run_cli(flags + ["--resume_from_checkpoint", "latest"], timeout=120)
-        assert_user_error(second, f"{tmp_path / 'runs' / 'busy'} is in use by another run ({lock.read_text()}): "
-                                  "wait for it to end, or give this run another --experiment_name")
+        assert_user_error(
+            second,
+            f"{tmp_path / 'runs' / 'busy'} is in use by another run ({lock.read_text()}): "
+            "wait for it to end, or give this run another --experiment_name",
+        )
     finally:
         first.kill()  # SIGKILL: its lock file stays behind, its lock does not
     assert lock.exists()
-    third = run_cli(as_flags({**TINY, "path_to_data": data, "working_directory": tmp_path / "runs",
-                              "experiment_name": "busy", "epochs": 1, "resume_from_checkpoint": "latest"}), timeout=180)
+    third = run_cli(
+        as_flags(
+            {
+                **TINY,
+                "path_to_data": data,
+                "working_directory": tmp_path / "runs",
+                "experiment_name": "busy",
+                "epochs": 1,
+                "resume_from_checkpoint": "latest",
+            }
+        ),
+        timeout=180,
+    )
     assert third.returncode == 0, third.stderr
 
 
 # --- resume does what the command line says ---------------------------------------------------------
 
+
 def test_nan_recovery_continues_at_the_lower_learning_rate_given_on_resume(tmp_path, data):
     """The NaN guard's advice, followed: stop at the NaN, resume from the last good checkpoint with a lower LR."""
     options = dict(**NAN_RUN, lr_scheduler="constant", momentum=0.9, weight_decay=1e-4)
     assert cli(tmp_path, data, **options, inject_nan_at_steps=[5]).returncode == 3
-    resumed = cli(tmp_path, data, **{**options, "learning_rate": 0.01, "momentum": 0.5, "weight_decay": 0.0},
-                  resume_from_checkpoint="latest")
+    resumed = cli(
+        tmp_path,
+        data,
+        **{**options, "learning_rate": 0.01, "momentum": 0.5, "weight_decay": 0.0},
+        resume_from_checkpoint="latest",
+    )
     assert resumed.returncode == 0, resumed.stderr
     run = tmp_path / "runs" / "bad"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -495,13 +651,31 @@ def test_epoch_end_resume_with_another_batch_layout_still_ends_the_schedule(tmp_
 
 
 def test_epoch_end_resume_on_two_processes_still_ends_the_schedule(tmp_path, data):
-    options = {**TINY, "path_to_data": data, "working_directory": tmp_path / "runs", "experiment_name": "grow",
-               "epochs": 3, "lr_scheduler": "cosine", "batch_size": 4}
+    options = {
+        **TINY,
+        "path_to_data": data,
+        "working_directory": tmp_path / "runs",
+        "experiment_name": "grow",
+        "epochs": 3,
+        "lr_scheduler": "cosine",
+        "batch_size": 4,
+    }
     assert run_cli(as_flags({**options, "stop_after_steps": 6})).returncode == 0  # 1 process, epoch 0
     from tutorial_lib.core import free_port
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--main_process_port", str(free_port()), "-m", "tutorial_lib.train",
-           *as_flags({**options, "resume_from_checkpoint": "latest"})]
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "tutorial_lib.train",
+        *as_flags({**options, "resume_from_checkpoint": "latest"}),
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     final = json.loads((tmp_path / "runs" / "grow" / "final_metrics.json").read_text())
@@ -521,30 +695,51 @@ def test_a_torn_metrics_file_is_cut_back_on_resume_with_a_warning(tmp_path, data
 
 
 def test_fp16_on_a_cpu_is_refused(tmp_path, data):
-    assert_user_error(cli(tmp_path, data, mixed_precision="fp16"),
-                      "--mixed_precision fp16 needs a GPU: on a CPU Accelerate has no fp16 autocast and would silently "
-                      "train in fp32; use --mixed_precision bf16 or no")
+    assert_user_error(
+        cli(tmp_path, data, mixed_precision="fp16"),
+        "--mixed_precision fp16 needs a GPU: on a CPU Accelerate has no fp16 autocast and would silently "
+        "train in fp32; use --mixed_precision bf16 or no",
+    )
 
 
 # --- flags that make no sense are refused before any data is read ----------------------------------
 
-@pytest.mark.parametrize("options, message", [
-    (dict(lr_scheduler="onecycle"), "--lr_scheduler onecycle rises during the warmup, but the warmup derived from the "
-                                    "global batch is 0 epochs (5 x (1 - 256 / global batch), none up to 256): give "
-                                    "--lr_warmup_epochs, more than 0 and at most half the run (e.g. --lr_warmup_epochs 0.3)"),
-    (dict(lr_scheduler="onecycle", lr_warmup_epochs=0), "--lr_scheduler onecycle rises during --lr_warmup_epochs: give it "
-                                                        "more than 0 and at most half the run (e.g. --lr_warmup_epochs "
-                                                        "0.3), not 0"),
-    (dict(lr_warmup_epochs=1), "--lr_warmup_epochs 1 covers the whole run of 1 epochs; use fewer warmup epochs"),
-    (dict(lr_scheduler="multistep"), "--lr_scheduler multistep needs --lr_milestones: increasing epochs below --epochs 1 "
-                                     "at which the LR is multiplied by --step_lr_decay, got []"),
-    (dict(lr_scheduler="cosine", lr_min=0.1), "--lr_min 0.1 must be below --learning_rate 0.05: the cosine schedule "
-                                              "decays from the learning rate down to it"),
-    (dict(step_lr_decay=1.5), "--step_lr_decay must be in (0, 1], got 1.5"),
-    (dict(lr_step_size=0), "--lr_step_size must be a positive number, got 0.0"),
-    (dict(batch_size=1, model="resnet18"), "--batch_size 1 with --model resnet18: BatchNorm normalises over the batch, "
-                                           "so one image per process has no batch statistics; use --batch_size 2 or more"),
-])
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (
+            dict(lr_scheduler="onecycle"),
+            "--lr_scheduler onecycle rises during the warmup, but the warmup derived from the "
+            "global batch is 0 epochs (5 x (1 - 256 / global batch), none up to 256): give "
+            "--lr_warmup_epochs, more than 0 and at most half the run (e.g. --lr_warmup_epochs 0.3)",
+        ),
+        (
+            dict(lr_scheduler="onecycle", lr_warmup_epochs=0),
+            "--lr_scheduler onecycle rises during --lr_warmup_epochs: give it "
+            "more than 0 and at most half the run (e.g. --lr_warmup_epochs "
+            "0.3), not 0",
+        ),
+        (dict(lr_warmup_epochs=1), "--lr_warmup_epochs 1 covers the whole run of 1 epochs; use fewer warmup epochs"),
+        (
+            dict(lr_scheduler="multistep"),
+            "--lr_scheduler multistep needs --lr_milestones: increasing epochs below --epochs 1 "
+            "at which the LR is multiplied by --step_lr_decay, got []",
+        ),
+        (
+            dict(lr_scheduler="cosine", lr_min=0.1),
+            "--lr_min 0.1 must be below --learning_rate 0.05: the cosine schedule "
+            "decays from the learning rate down to it",
+        ),
+        (dict(step_lr_decay=1.5), "--step_lr_decay must be in (0, 1], got 1.5"),
+        (dict(lr_step_size=0), "--lr_step_size must be a positive number, got 0.0"),
+        (
+            dict(batch_size=1, model="resnet18"),
+            "--batch_size 1 with --model resnet18: BatchNorm normalises over the batch, "
+            "so one image per process has no batch statistics; use --batch_size 2 or more",
+        ),
+    ],
+)
 def test_impossible_flag_values_are_refused_before_any_data_is_read(tmp_path, options, message, monkeypatch):
     from tutorial_lib import train as T
 
@@ -553,8 +748,11 @@ def test_impossible_flag_values_are_refused_before_any_data_is_read(tmp_path, op
 
     monkeypatch.setattr(T, "load_data", no_data)
     with pytest.raises(T.BadFlagError) as refused:
-        T.train(T.default_args(**{**TINY, "path_to_data": str(tmp_path), "working_directory": str(tmp_path / "runs"),
-                                  **options}))
+        T.train(
+            T.default_args(
+                **{**TINY, "path_to_data": str(tmp_path), "working_directory": str(tmp_path / "runs"), **options}
+            )
+        )
     assert str(refused.value) == message
     main = cli(tmp_path, tmp_path / "nowhere", **options)  # the command line: one line, exit 2, nothing else
     assert main.returncode == 2 and len(main.stderr_lines) == 1 and not main.has_traceback
@@ -566,17 +764,25 @@ def test_a_one_class_dataset_and_accumulation_longer_than_an_epoch_are_refused(t
         for folder in ["class_01", "class_02"]:
             shutil.rmtree(one / split / folder)
     assert_user_error(cli(tmp_path, one), f"--path_to_data {one} has 1 class: a classifier needs two or more")
-    assert_user_error(cli(tmp_path, data, gradient_accumulation_steps=8, experiment_name="acc"),
-                      "--gradient_accumulation_steps 8 but an epoch has only 6 batches per process: lower it, or the "
-                      "--batch_size")
+    assert_user_error(
+        cli(tmp_path, data, gradient_accumulation_steps=8, experiment_name="acc"),
+        "--gradient_accumulation_steps 8 but an epoch has only 6 batches per process: lower it, or the --batch_size",
+    )
 
 
 # --- signals: finish the step, checkpoint, exit 143 ---------------------------------------------------
 
+
 @pytest.mark.parametrize("launcher", ["python", "fork"])
 def test_sigterm_mid_epoch_checkpoints_and_the_resumed_run_is_bit_identical(tmp_path, data, launcher):
-    options = {**TINY, "path_to_data": data, "working_directory": tmp_path / "runs", "epochs": 12,
-               "checkpoint_every_steps": 100, "log_interval": 1}
+    options = {
+        **TINY,
+        "path_to_data": data,
+        "working_directory": tmp_path / "runs",
+        "epochs": 12,
+        "checkpoint_every_steps": 100,
+        "log_interval": 1,
+    }
     straight = run_cli(as_flags({**options, "experiment_name": "straight"}), launcher=launcher)
     assert straight.returncode == 0, straight.stderr
     proc = TrainingProcess(as_flags({**options, "experiment_name": "term"}), tmp_path / "logs" / "term", launcher)
@@ -592,56 +798,72 @@ def test_sigterm_mid_epoch_checkpoints_and_the_resumed_run_is_bit_identical(tmp_
     run = tmp_path / "runs" / "term"
     step = int(line.split()[4].rstrip(","))
     assert latest_checkpoint(run).name == f"step_{step:09d}"
-    resumed = run_cli(as_flags({**options, "experiment_name": "term", "resume_from_checkpoint": "latest"}),
-                      launcher=launcher)
+    resumed = run_cli(
+        as_flags({**options, "experiment_name": "term", "resume_from_checkpoint": "latest"}), launcher=launcher
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert sha256_file(run / "model.safetensors") == sha256_file(tmp_path / "runs" / "straight" / "model.safetensors")
 
 
 # --- a full disk ---------------------------------------------------------------------------------------
 
+
 def _can_mount_a_small_disk() -> bool:
-    return shutil.which("unshare") is not None and subprocess.run(
-        ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1M tmpfs /mnt"], capture_output=True).returncode == 0
+    return (
+        shutil.which("unshare") is not None
+        and subprocess.run(
+            ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1M tmpfs /mnt"], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 @pytest.mark.skipif(not _can_mount_a_small_disk(), reason="needs `unshare -rm` to mount a small tmpfs")
 def test_a_full_disk_stops_the_save_with_one_line_and_keeps_the_previous_checkpoint(tmp_path, data):
     """In a private mount namespace, runs write to a 600 KB tmpfs: the third checkpoint (228 KB each) does not fit. After the
     disk is grown (as a user who frees space would), the resumed run ends bit-identical to one that never stopped."""
-    flags = as_flags({**TINY, "path_to_data": data, "epochs": 3, "checkpoint_every_steps": 2,
-                      "keep_last_checkpoints": 10})
+    flags = as_flags(
+        {**TINY, "path_to_data": data, "epochs": 3, "checkpoint_every_steps": 2, "keep_last_checkpoints": 10}
+    )
     straight = run_cli(flags + ["--working_directory", str(tmp_path / "runs"), "--experiment_name", "straight"])
     assert straight.returncode == 0, straight.stderr
     disk = tmp_path / "disk"
     disk.mkdir()
     script = f"""
 mount -t tmpfs -o size=600k tmpfs {disk}
-{sys.executable} -m tutorial_lib.train {' '.join(flags)} --working_directory {disk} --experiment_name full \
+{sys.executable} -m tutorial_lib.train {" ".join(flags)} --working_directory {disk} --experiment_name full \
     > {tmp_path}/full.out 2> {tmp_path}/full.err
 echo $? > {tmp_path}/full.code
 cp -r {disk}/full {tmp_path}/after_full
 mount -o remount,size=50m {disk}
-{sys.executable} -m tutorial_lib.train {' '.join(flags)} --working_directory {disk} --experiment_name full \
+{sys.executable} -m tutorial_lib.train {" ".join(flags)} --working_directory {disk} --experiment_name full \
     --resume_from_checkpoint latest > {tmp_path}/resumed.out 2> {tmp_path}/resumed.err
 echo $? > {tmp_path}/resumed.code
 cp {disk}/full/model.safetensors {tmp_path}/resumed.safetensors
 """
     subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=ROOT, env=child_env(), timeout=300, check=True)
-    full = CliResult(int((tmp_path / "full.code").read_text()), (tmp_path / "full.out").read_text(),
-                     (tmp_path / "full.err").read_text(), 0.0)
+    full = CliResult(
+        int((tmp_path / "full.code").read_text()),
+        (tmp_path / "full.out").read_text(),
+        (tmp_path / "full.err").read_text(),
+        0.0,
+    )
     assert full.returncode == 2 and not full.has_traceback and len(full.stderr_lines) == 1, full.stderr
-    assert full.stderr_lines[0].startswith(f"tutorial-train: error: no space left on the disk of {disk / 'full'} while "
-                                           "saving the checkpoint of step"), full.stderr
+    assert full.stderr_lines[0].startswith(
+        f"tutorial-train: error: no space left on the disk of {disk / 'full'} while saving the checkpoint of step"
+    ), full.stderr
     assert "which is intact)" in full.stderr_lines[0]
     kept = tmp_path / "after_full"
     assert not incomplete_checkpoints(kept), "the half-written checkpoint must be removed"
     verify_checkpoint(latest_checkpoint(kept))  # the previous checkpoint is complete and unaltered
     assert int((tmp_path / "resumed.code").read_text()) == 0, (tmp_path / "resumed.err").read_text()
-    assert sha256_file(tmp_path / "resumed.safetensors") == sha256_file(tmp_path / "runs" / "straight" / "model.safetensors")
+    assert sha256_file(tmp_path / "resumed.safetensors") == sha256_file(
+        tmp_path / "runs" / "straight" / "model.safetensors"
+    )
 
 
 # --- trackers: offline, and one continuous run across a resume ------------------------------------------
+
 
 def scalar_steps(run_dir: Path, tag: str) -> list[int]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -671,17 +893,37 @@ def test_several_trackers_at_once_and_none_alone(tmp_path, data):
     assert done.returncode == 0, done.stderr
     run = tmp_path / "runs" / "both"
     assert list((run / "wandb").glob("offline-run-*")) and scalar_steps(run, "epoch/val_top1") == [6]
-    assert_user_error(cli(tmp_path, data, log_with=["wandb", "none"]),
-                      "--log_with wandb none: 'none' means no tracker; give it alone")
+    assert_user_error(
+        cli(tmp_path, data, log_with=["wandb", "none"]), "--log_with wandb none: 'none' means no tracker; give it alone"
+    )
 
 
 def test_sigterm_to_accelerate_launch_stops_both_processes_after_the_same_step_with_a_checkpoint(tmp_path, data):
     """What a scheduler does to a multi-process job: SIGTERM to the launcher, which passes it to its processes."""
     from tutorial_lib.core import free_port
-    options = {**TINY, "path_to_data": data, "working_directory": tmp_path / "runs", "experiment_name": "ddp",
-               "epochs": 200, "batch_size": 2, "checkpoint_every_steps": 1000}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--main_process_port", str(free_port()), "-m", "tutorial_lib.train", *as_flags(options)]
+
+    options = {
+        **TINY,
+        "path_to_data": data,
+        "working_directory": tmp_path / "runs",
+        "experiment_name": "ddp",
+        "epochs": 200,
+        "batch_size": 2,
+        "checkpoint_every_steps": 1000,
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "tutorial_lib.train",
+        *as_flags(options),
+    ]
     with open(tmp_path / "out.log", "w") as out, open(tmp_path / "err.log", "w") as err:
         launch = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=out, stderr=err)
         metrics, deadline = tmp_path / "runs" / "ddp" / "metrics.jsonl", time.time() + 180

@@ -6,6 +6,7 @@ each declares itself; a parquet record is read from its bytes only; errors are o
 libraries' own lines held back; `~` in the data tools' paths is the home folder.
 
 Everything runs offline on the embedded images or images generated here."""
+
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before anything imports datasets (also inherited by subprocesses)
@@ -23,15 +24,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-import tutorial_lib.data as data_module
-from tutorial_lib.sources import (DataLayoutError, DataSourceError, UnreadableImageError, embedded_data_path,
-                                  scan_image_folder)
-from tutorial_lib.data import from_archives, main, prepare_val
-from tutorial_lib.loading import build_datasets
 from train_helpers import assert_user_error, exit_status
 
+import tutorial_lib.data as data_module
 from tutorial_lib.cli import as_flags
+from tutorial_lib.data import main, prepare_val
+from tutorial_lib.loading import build_datasets
+from tutorial_lib.sources import (
+    DataLayoutError,
+    DataSourceError,
+    UnreadableImageError,
+    embedded_data_path,
+    scan_image_folder,
+)
 from tutorial_lib.stress import child_env, make_image_folder, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,17 +62,29 @@ def listing(folder: Path) -> list[tuple[str, int]]:
 
 def one_error_line(err: str) -> str:
     lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("python -m tutorial_lib.data: error: "), f"expected one line 'error: ...', got:\n{err}"
+    assert len(lines) == 1 and lines[0].startswith("python -m tutorial_lib.data: error: "), (
+        f"expected one line 'error: ...', got:\n{err}"
+    )
     return lines[0]
 
 
 # --- prepare-val and from-archives: nothing written outside their folders ---------------------------------------
 
+
 def devkit_archive(path: Path, wnids: list[str], val_ids: list[int]) -> Path:
     """An ILSVRC2012 devkit archive: meta.mat (as MATLAB writes it) naming `wnids` 1…n, and the ground truth."""
     import scipy.io
 
-    fields = ["ILSVRC2012_ID", "WNID", "words", "gloss", "num_children", "children", "wordnet_height", "num_train_images"]
+    fields = [
+        "ILSVRC2012_ID",
+        "WNID",
+        "words",
+        "gloss",
+        "num_children",
+        "children",
+        "wordnet_height",
+        "num_train_images",
+    ]
     synsets = np.zeros((len(wnids), 1), dtype=[(f, "O") for f in fields])
     for k, wnid in enumerate(wnids, start=1):
         synsets[k - 1, 0] = (k, wnid, f"class {k}", "gloss", 0, np.zeros(0), 0, 2)
@@ -75,9 +92,13 @@ def devkit_archive(path: Path, wnids: list[str], val_ids: list[int]) -> Path:
     scipy.io.savemat(meta, {"synsets": synsets})
     path.parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(path, "w:gz") as tar:
-        for name, data in [("ILSVRC2012_devkit_t12/data/meta.mat", meta.getvalue()),
-                           ("ILSVRC2012_devkit_t12/data/ILSVRC2012_validation_ground_truth.txt",
-                            "".join(f"{k}\n" for k in val_ids).encode())]:
+        for name, data in [
+            ("ILSVRC2012_devkit_t12/data/meta.mat", meta.getvalue()),
+            (
+                "ILSVRC2012_devkit_t12/data/ILSVRC2012_validation_ground_truth.txt",
+                "".join(f"{k}\n" for k in val_ids).encode(),
+            ),
+        ]:
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
@@ -122,8 +143,11 @@ def test_every_class_name_source_passes_the_same_check(tmp_path, capsys, source)
             prepare_val(val, truth, apply=True, log=lambda line: None)
     else:
         mapping = tmp_path / ("labels.txt" if source == "text mapping" else "LOC_val_solution.csv")
-        mapping.write_text("".join(f"{k}.JPEG {v}\n" for k, v in truth.items()) if source == "text mapping" else
-                           "ImageId,PredictionString\n" + "".join(f"{k},{v} 1 2 3 4\n" for k, v in truth.items()))
+        mapping.write_text(
+            "".join(f"{k}.JPEG {v}\n" for k, v in truth.items())
+            if source == "text mapping"
+            else "ImageId,PredictionString\n" + "".join(f"{k},{v} 1 2 3 4\n" for k, v in truth.items())
+        )
         before = listing(tmp_path)
         assert exit_status(main, ["prepare-val", str(val), str(mapping), "--apply"]) == 2
         assert "'../../escaped' cannot be a class folder name: it is a path" in one_error_line(capsys.readouterr().err)
@@ -147,8 +171,12 @@ def test_prepare_val_refuses_a_class_folder_that_links_elsewhere(tmp_path, capsy
     val = flat_val(tmp_path / "val", 4)
     (tmp_path / "elsewhere").mkdir()
     os.symlink(tmp_path / "elsewhere", val / "n02")
-    truth = {"ILSVRC2012_val_00000001": "n01", "ILSVRC2012_val_00000002": "n02",
-             "ILSVRC2012_val_00000003": "n01", "ILSVRC2012_val_00000004": "n02"}
+    truth = {
+        "ILSVRC2012_val_00000001": "n01",
+        "ILSVRC2012_val_00000002": "n02",
+        "ILSVRC2012_val_00000003": "n01",
+        "ILSVRC2012_val_00000004": "n02",
+    }
     before = listing(tmp_path)
     with pytest.raises(DataLayoutError) as caught:
         prepare_val(val, truth, apply=True, log=lambda line: None)
@@ -242,7 +270,9 @@ def test_tilde_in_the_data_tools_paths_is_the_home_folder(tmp_path, capsys, monk
         flat_val(home / "val", 2)
         (home / "labels.txt").write_text("ILSVRC2012_val_00000001.JPEG n01\nILSVRC2012_val_00000002.JPEG n02\n")
         extra = ["--link", "--out", "~/sorted"] if "--link" in command else []
-        assert exit_status(main, ["prepare-val", "~/val", "~/labels.txt", "--apply", *extra]) == 0, capsys.readouterr().err
+        assert exit_status(main, ["prepare-val", "~/val", "~/labels.txt", "--apply", *extra]) == 0, (
+            capsys.readouterr().err
+        )
         assert len(list(home.glob(f"{'sorted' if extra else 'val'}/n0*/*.JPEG"))) == 2
     elif command == "shard":
         make_image_folder(home / "src", classes=2, train_per_class=2, val_per_class=1)
@@ -261,28 +291,41 @@ CLASSES = ["cat", "dog", "frog", "ship"]
 SCHEMA = pa.schema([("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())])), ("label", pa.int64())])
 
 
-def write_shard(path: Path, rows: list[tuple[bytes | None, str | None, int]], names: list[str] | None = CLASSES) -> Path:
+def write_shard(
+    path: Path, rows: list[tuple[bytes | None, str | None, int]], names: list[str] | None = CLASSES
+) -> Path:
     """One parquet file with the Hub's schema; `names`: the ClassLabel it declares in its schema metadata."""
     features = {"image": {"_type": "Image"}, "label": {"names": names, "_type": "ClassLabel"}}
-    schema = SCHEMA if names is None else SCHEMA.with_metadata({"huggingface": json.dumps({"info": {"features": features}})})
+    schema = (
+        SCHEMA if names is None else SCHEMA.with_metadata({"huggingface": json.dumps({"info": {"features": features}})})
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table({"image": [{"bytes": b, "path": p} for b, p, _ in rows], "label": [y for *_, y in rows]},
-                            schema=schema), path)
+    pq.write_table(
+        pa.table(
+            {"image": [{"bytes": b, "path": p} for b, p, _ in rows], "label": [y for *_, y in rows]}, schema=schema
+        ),
+        path,
+    )
     return path
 
 
 def rows_of(split: str, per_class: int = 3) -> list[tuple[bytes, str, int]]:
     """Embedded images of CLASSES, `per_class` each, as parquet rows."""
     folder = EMBEDDED / ("train" if split == "train" else "val")
-    return [(p.read_bytes(), p.name, y) for y, c in enumerate(CLASSES) for p in sorted((folder / c).iterdir())[:per_class]]
+    return [
+        (p.read_bytes(), p.name, y) for y, c in enumerate(CLASSES) for p in sorted((folder / c).iterdir())[:per_class]
+    ]
 
 
 def parquet_data(root: Path, val_names=CLASSES, train_rows=None, val_rows=None, train_shards=1) -> Path:
     train = train_rows if train_rows is not None else rows_of("train")
     for k in range(train_shards):
         write_shard(root / "data" / f"train-{k:05d}-of-{train_shards:05d}.parquet", train[k::train_shards])
-    write_shard(root / "data" / "validation-00000-of-00001.parquet", val_rows if val_rows is not None else
-                rows_of("validation"), val_names)
+    write_shard(
+        root / "data" / "validation-00000-of-00001.parquet",
+        val_rows if val_rows is not None else rows_of("validation"),
+        val_names,
+    )
     return root
 
 
@@ -290,11 +333,16 @@ OTHER_ORDER = ["dog", "cat", "frog", "ship"]
 OTHER_NAMES = ["cat", "dog", "frog", "truck"]
 
 
-@pytest.mark.parametrize("val_names, words", [
-    (OTHER_ORDER, "the same 4 class names in another order (label 0 is 'cat' in train, 'dog' in validation)"),
-    (OTHER_NAMES, "other class names (4 in train, 4 in validation; only in train: ['ship'], only in validation: "
-                  "['truck'])"),
-])
+@pytest.mark.parametrize(
+    "val_names, words",
+    [
+        (OTHER_ORDER, "the same 4 class names in another order (label 0 is 'cat' in train, 'dog' in validation)"),
+        (
+            OTHER_NAMES,
+            "other class names (4 in train, 4 in validation; only in train: ['ship'], only in validation: ['truck'])",
+        ),
+    ],
+)
 def test_parquet_validation_split_with_other_class_names_is_refused(tmp_path, val_names, words):
     """🤗 datasets gives the validation split the train shard's features; the names its own shards declare are compared."""
     source = parquet_data(tmp_path / "pq", val_names=val_names)
@@ -314,13 +362,31 @@ def test_parquet_shards_of_one_split_must_declare_the_same_class_names(tmp_path)
 @pytest.mark.slow
 def test_training_script_refuses_a_parquet_validation_split_with_other_class_names(tmp_path):
     source = parquet_data(tmp_path / "pq", val_names=OTHER_ORDER)
-    done = run_cli(as_flags(dict(model="tinycnn", img_size=16, epochs=1, batch_size=4, num_workers=0, cpu=True,
-                                 log_with="none", disable_progress_bar=True, path_to_data=source,
-                                 working_directory=tmp_path / "runs", experiment_name="swapped")), timeout=180)
-    assert_user_error(done, f"{source}: the validation shards declare the same 4 class names in another order (label 0 "
-                            "is 'cat' in train, 'dog' in validation), in "
-                            f"{source / 'data' / 'validation-00000-of-00001.parquet'}: labels would not mean the same "
-                            "class; write both splits with one list of class names")
+    done = run_cli(
+        as_flags(
+            dict(
+                model="tinycnn",
+                img_size=16,
+                epochs=1,
+                batch_size=4,
+                num_workers=0,
+                cpu=True,
+                log_with="none",
+                disable_progress_bar=True,
+                path_to_data=source,
+                working_directory=tmp_path / "runs",
+                experiment_name="swapped",
+            )
+        ),
+        timeout=180,
+    )
+    assert_user_error(
+        done,
+        f"{source}: the validation shards declare the same 4 class names in another order (label 0 "
+        "is 'cat' in train, 'dog' in validation), in "
+        f"{source / 'data' / 'validation-00000-of-00001.parquet'}: labels would not mean the same "
+        "class; write both splits with one list of class names",
+    )
 
 
 def test_parquet_label_out_of_range_is_reported_with_its_real_value(tmp_path):
@@ -340,12 +406,30 @@ def test_training_script_refuses_a_parquet_label_out_of_range_in_one_line(tmp_pa
     rows = rows_of("train")
     rows[5] = (rows[5][0], rows[5][1], 7)
     source = parquet_data(tmp_path / "pq", train_rows=rows)
-    done = run_cli(as_flags(dict(model="tinycnn", img_size=16, epochs=1, batch_size=4, num_workers=0, cpu=True,
-                                 log_with="none", disable_progress_bar=True, path_to_data=source,
-                                 working_directory=tmp_path / "runs", experiment_name="label7")), timeout=180)
+    done = run_cli(
+        as_flags(
+            dict(
+                model="tinycnn",
+                img_size=16,
+                epochs=1,
+                batch_size=4,
+                num_workers=0,
+                cpu=True,
+                log_with="none",
+                disable_progress_bar=True,
+                path_to_data=source,
+                working_directory=tmp_path / "runs",
+                experiment_name="label7",
+            )
+        ),
+        timeout=180,
+    )
     shard = source / "data" / "train-00000-of-00001.parquet"
-    assert_user_error(done, f"{source} [train] has 1 labels outside 0…3, e.g. 7 at row 5 of {shard} (row 5 of {source} "
-                            "[train]): its 4 class names number the labels 0…3: fix the labels or the class names")
+    assert_user_error(
+        done,
+        f"{source} [train] has 1 labels outside 0…3, e.g. 7 at row 5 of {shard} (row 5 of {source} "
+        "[train]): its 4 class names number the labels 0…3: fix the labels or the class names",
+    )
 
 
 def test_parquet_row_without_bytes_is_never_read_from_its_path(tmp_path):
@@ -372,12 +456,28 @@ def test_a_damaged_parquet_file_is_one_line_naming_it_without_the_librarys_own(t
     """datasets logs "Failed to read schema from …" before raising: the user sees only the training script's line."""
     source = parquet_data(tmp_path / "pq")
     (source / "data" / "train-00000-of-00001.parquet").write_bytes(b"PAR1 cut short")
-    done = run_cli(as_flags(dict(model="tinycnn", img_size=16, epochs=1, batch_size=4, num_workers=0, cpu=True,
-                                 log_with="none", disable_progress_bar=True, path_to_data=source,
-                                 working_directory=tmp_path / "runs", experiment_name="damaged")), timeout=180)
+    done = run_cli(
+        as_flags(
+            dict(
+                model="tinycnn",
+                img_size=16,
+                epochs=1,
+                batch_size=4,
+                num_workers=0,
+                cpu=True,
+                log_with="none",
+                disable_progress_bar=True,
+                path_to_data=source,
+                working_directory=tmp_path / "runs",
+                experiment_name="damaged",
+            )
+        ),
+        timeout=180,
+    )
     assert done.returncode == 2 and len(done.stderr_lines) == 1, done.stderr
-    assert done.stderr_lines[0].startswith(f"tutorial-train: error: cannot read the parquet file "
-                                           f"{source / 'data' / 'train-00000-of-00001.parquet'}"), done.stderr
+    assert done.stderr_lines[0].startswith(
+        f"tutorial-train: error: cannot read the parquet file {source / 'data' / 'train-00000-of-00001.parquet'}"
+    ), done.stderr
 
 
 @pytest.mark.slow
@@ -395,24 +495,49 @@ def test_hub_retry_lines_are_held_back_before_the_one_line(tmp_path):
         "    if path == 'someone/reachable':\n"
         "        return real('parquet', data_files=FILES, **kwargs)\n"
         "    raise ConnectionError(f\"Couldn't reach '{path}' on the Hub (LocalEntryNotFoundError)\")\n"
-        "datasets.load_dataset = load_dataset\n")
+        "datasets.load_dataset = load_dataset\n"
+    )
     source = parquet_data(tmp_path / "pq")
-    files = {"train": str(source / "data" / "train-00000-of-00001.parquet"),
-             "validation": str(source / "data" / "validation-00000-of-00001.parquet")}
-    script = (f"FILES = {files!r}\n{stand_in}import sys\nfrom tutorial_lib.loading import build_datasets\n"
-              "from tutorial_lib.train import main\n"
-              "if sys.argv[1] == 'reachable':\n    build_datasets('someone/reachable', img_size=16)\n"
-              "else:\n    main(sys.argv[2:])\n")
-    argv = as_flags(dict(model="tinycnn", img_size=16, epochs=1, cpu=True, log_with="none", path_to_data="someone/gone",
-                         working_directory=tmp_path / "runs", experiment_name="hub"))
+    files = {
+        "train": str(source / "data" / "train-00000-of-00001.parquet"),
+        "validation": str(source / "data" / "validation-00000-of-00001.parquet"),
+    }
+    script = (
+        f"FILES = {files!r}\n{stand_in}import sys\nfrom tutorial_lib.loading import build_datasets\n"
+        "from tutorial_lib.train import main\n"
+        "if sys.argv[1] == 'reachable':\n    build_datasets('someone/reachable', img_size=16)\n"
+        "else:\n    main(sys.argv[2:])\n"
+    )
+    argv = as_flags(
+        dict(
+            model="tinycnn",
+            img_size=16,
+            epochs=1,
+            cpu=True,
+            log_with="none",
+            path_to_data="someone/gone",
+            working_directory=tmp_path / "runs",
+            experiment_name="hub",
+        )
+    )
     import tutorial_lib  # the child imports the library this test imported
-    env = child_env(PYTHONPATH=os.pathsep.join([str(Path(tutorial_lib.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", script, "gone", *argv], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=180)
+
+    env = child_env(
+        PYTHONPATH=os.pathsep.join([str(Path(tutorial_lib.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, "gone", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=180,
+    )
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert lines[0].startswith("tutorial-train: error: cannot load someone/gone: Couldn't reach"), done.stderr
-    loaded = subprocess.run([sys.executable, "-c", script, "reachable"], capture_output=True, text=True, env=env,
-                            cwd=tmp_path, timeout=180)
+    loaded = subprocess.run(
+        [sys.executable, "-c", script, "reachable"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=180
+    )
     assert loaded.returncode == 0, loaded.stderr
     assert "Retrying in 1s [Retry 1/5]." in loaded.stderr and "a datasets error line" in loaded.stderr, loaded.stderr

@@ -8,6 +8,7 @@ within three standard errors of the difference of two accuracies measured on the
 runs in a fresh interpreter (a process whose OpenMP threads have run cannot safely fork workers that use
 threads), launches the DDP runs with `notebook_launcher` (through 06's `launch_with_timeout`) before any
 training in that interpreter, as 09 does, then trains the 1-process twins."""
+
 import json
 import math
 import os
@@ -79,8 +80,9 @@ def test_ddp_equals_one_process_as_09_checks_it_at_1_2_4_threads_and_under_load(
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE", "WANDB_MODE": "disabled"}
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 if load else 0)]
     try:
-        done = subprocess.run([sys.executable, "-c", EQUIVALENCE, str(threads)], env=env, capture_output=True,
-                              text=True, timeout=900)
+        done = subprocess.run(
+            [sys.executable, "-c", EQUIVALENCE, str(threads)], env=env, capture_output=True, text=True, timeout=900
+        )
     finally:
         for p in burners:
             p.kill()
@@ -89,7 +91,7 @@ def test_ddp_equals_one_process_as_09_checks_it_at_1_2_4_threads_and_under_load(
     r = json.loads(done.stdout.strip().splitlines()[-1])
     assert r["threads"] == [threads, threads] and r["kernel_threads"] == threads, r["threads"]
     # (1) the first step: 16 images x 32 x 32 positions of the first convolution, n · u with u = 2^-24
-    assert r["num_tensors"] == 8 and r["num_terms"] == 16 * 32 * 32 and r["tolerance"] == 16384 * 2.0 ** -24
+    assert r["num_tensors"] == 8 and r["num_terms"] == 16 * 32 * 32 and r["tolerance"] == 16384 * 2.0**-24
     assert r["relative"] <= r["tolerance"], r["relative"]
     # (2) the curves of 2 epochs: training top-1 at every epoch and the final validation top-1 within the band,
     # every image counted once in both runs
@@ -99,4 +101,3 @@ def test_ddp_equals_one_process_as_09_checks_it_at_1_2_4_threads_and_under_load(
         assert abs(a["train_top1"] - b["train_top1"]) <= band(b["train_top1"], b["train_count"]), (a, b)
     a, b = r["rows_ddp"][-1], r["rows_single"][-1]
     assert abs(a["val_top1"] - b["val_top1"]) <= band(b["val_top1"], b["val_count"]), (a, b)
-

@@ -21,13 +21,34 @@ def warm(t):
 # Hand-written formulas, independent of lr_factor.
 EXPECTED = {
     "constant": ({}, {0: BASE * S, 5: warm(5), 10: BASE, 99: BASE}),
-    "step": (dict(step_size=40, gamma=0.5), {0: BASE * S, 10: BASE, 39: BASE, 40: BASE / 2, 80: BASE / 4, 99: BASE / 4}),
+    "step": (
+        dict(step_size=40, gamma=0.5),
+        {0: BASE * S, 10: BASE, 39: BASE, 40: BASE / 2, 80: BASE / 4, 99: BASE / 4},
+    ),
     "multistep": (dict(milestones=[30, 70]), {9: warm(9), 29: BASE, 30: BASE * 0.1, 69: BASE * 0.1, 70: BASE * 0.01}),
-    "cosine": ({}, {0: BASE * S, 10: BASE, 55: BASE / 2, 77: BASE * 0.5 * (1 + math.cos(math.pi * 67 / 90)),
-                    99: BASE * 0.5 * (1 + math.cos(math.pi * 89 / 90))}),
+    "cosine": (
+        {},
+        {
+            0: BASE * S,
+            10: BASE,
+            55: BASE / 2,
+            77: BASE * 0.5 * (1 + math.cos(math.pi * 67 / 90)),
+            99: BASE * 0.5 * (1 + math.cos(math.pi * 89 / 90)),
+        },
+    ),
     "linear": ({}, {10: BASE, 55: BASE / 2, 99: BASE / 90}),
-    "onecycle": ({}, {0: BASE * S, 5: warm(5), 10: BASE, 15: BASE * (1 - (1 - S) * 0.5), 20: BASE * S,
-                      60: BASE * S * (1 - 40 / 80), 99: BASE * S / 80}),
+    "onecycle": (
+        {},
+        {
+            0: BASE * S,
+            5: warm(5),
+            10: BASE,
+            15: BASE * (1 - (1 - S) * 0.5),
+            20: BASE * S,
+            60: BASE * S * (1 - 40 / 80),
+            99: BASE * S / 80,
+        },
+    ),
 }
 
 
@@ -60,7 +81,8 @@ def test_resuming_from_state_dict_continues_on_the_same_curve():
     optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=BASE)
     scheduler = build_scheduler(optimizer, "cosine", 30, warmup_steps=5)
     for _ in range(12):
-        optimizer.step(); scheduler.step()
+        optimizer.step()
+        scheduler.step()
     # A checkpoint holds both (accelerator.save_state saves both): the optimizer carries the current lr.
     opt_state, sched_state = optimizer.state_dict(), scheduler.state_dict()
     optimizer2 = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=BASE)
@@ -69,21 +91,26 @@ def test_resuming_from_state_dict_continues_on_the_same_curve():
     scheduler2.load_state_dict(sched_state)
     resumed = []
     for _ in range(12, 30):
-        resumed.append(optimizer2.param_groups[0]["lr"]); optimizer2.step(); scheduler2.step()
+        resumed.append(optimizer2.param_groups[0]["lr"])
+        optimizer2.step()
+        scheduler2.step()
     assert resumed == pytest.approx(full[12:])
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(name="cosinus"), "unknown schedule"),
-    (dict(name="cosine", total_steps=0), "total_steps"),
-    (dict(name="cosine", warmup_steps=100), "warmup_steps"),
-    (dict(name="cosine", warmup_start_factor=0.0), "warmup_start_factor"),
-    (dict(name="step"), "step_size"),
-    (dict(name="multistep", milestones=[50, 20]), "milestones"),
-    (dict(name="onecycle", warmup_steps=0), "onecycle"),
-    (dict(name="onecycle", warmup_steps=60), "onecycle"),
-    (dict(name="cosine", min_lr=1.0), "min_lr"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(name="cosinus"), "unknown schedule"),
+        (dict(name="cosine", total_steps=0), "total_steps"),
+        (dict(name="cosine", warmup_steps=100), "warmup_steps"),
+        (dict(name="cosine", warmup_start_factor=0.0), "warmup_start_factor"),
+        (dict(name="step"), "step_size"),
+        (dict(name="multistep", milestones=[50, 20]), "milestones"),
+        (dict(name="onecycle", warmup_steps=0), "onecycle"),
+        (dict(name="onecycle", warmup_steps=60), "onecycle"),
+        (dict(name="cosine", min_lr=1.0), "min_lr"),
+    ],
+)
 def test_bad_arguments_are_refused_with_a_message_saying_what_to_change(kwargs, match):
     optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=BASE)
     args = {"total_steps": 100, **kwargs}
@@ -95,7 +122,9 @@ def _count_loop(batches, accum, epochs):
     return sum(1 for _ in range(epochs) for i in range(batches) if (i + 1) % accum == 0 or i + 1 == batches)
 
 
-@pytest.mark.parametrize("batches, accum, epochs", [(10, 1, 3), (10, 3, 3), (9, 3, 2), (7, 4, 5), (1, 8, 2), (5004, 1, 90)])
+@pytest.mark.parametrize(
+    "batches, accum, epochs", [(10, 1, 3), (10, 3, 3), (9, 3, 2), (7, 4, 5), (1, 8, 2), (5004, 1, 90)]
+)
 def test_num_optimizer_steps_counts_incomplete_windows(batches, accum, epochs):
     assert num_optimizer_steps(batches, accum, epochs) == _count_loop(batches, accum, epochs)
 
@@ -119,8 +148,10 @@ EPOCHS, WARMUP = 2, 2
 
 def _trace(accumulation, per_optimizer_step):
     from accelerate import Accelerator
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation,
-                              step_scheduler_with_optimizer=not per_optimizer_step)
+
+    accelerator = Accelerator(
+        cpu=True, gradient_accumulation_steps=accumulation, step_scheduler_with_optimizer=not per_optimizer_step
+    )
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(44, 3, generator=g), torch.randn(44, 1, generator=g))
     model = nn.Linear(3, 1)
@@ -142,9 +173,15 @@ def _trace(accumulation, per_optimizer_step):
                 optimizer.zero_grad()
             if per_optimizer_step and accelerator.sync_gradients:
                 scheduler.step()
-    return {"accumulation": accumulation, "per_optimizer_step": per_optimizer_step,
-            "num_processes": accelerator.num_processes, "process_index": accelerator.process_index,
-            "batches": len(loader), "total": total, "lrs": lrs}
+    return {
+        "accumulation": accumulation,
+        "per_optimizer_step": per_optimizer_step,
+        "num_processes": accelerator.num_processes,
+        "process_index": accelerator.process_index,
+        "batches": len(loader),
+        "total": total,
+        "lrs": lrs,
+    }
 
 
 def _worker(out_dir):
@@ -155,8 +192,12 @@ def _worker(out_dir):
 def _launch(num_processes):
     from accelerate import debug_launcher
     from accelerate.utils import patch_environment
-    with tempfile.TemporaryDirectory() as out_dir, patch_environment(master_port=str(free_port())), \
-            warnings.catch_warnings():
+
+    with (
+        tempfile.TemporaryDirectory() as out_dir,
+        patch_environment(master_port=str(free_port())),
+        warnings.catch_warnings(),
+    ):
         warnings.simplefilter("ignore")
         debug_launcher(fork_safe(_worker), args=(out_dir,), num_processes=num_processes)
         return [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))]

@@ -4,6 +4,7 @@ well as the production script `tutorial-train` (08a).
 
 Runs are small: ResNet18 or MobileNetV3 (small) at 16-32 px on a few hundred images of the embedded dataset, linked
 into a folder of the same layout."""
+
 from __future__ import annotations
 
 import ast
@@ -88,16 +89,25 @@ def test_every_fixed_line_names_a_notebook_of_the_course():
 
 
 def test_the_videos_readme_command_parses_with_its_warmup_flag():
-    readme = ("--experiment_name=ResNet50 --path_to_data=/data --working_directory=/work --num_classes=1000 "
-              "--epochs=90 --save_checkpoint_interval=2 --batch_size=512 --gradient_accumulation_steps=1 "
-              "--learning_rate=0.1 --weight_decay=1e-4 --momentum=0.9 --step_lr_decay=0.1 --lr_step_size=30 "
-              "--warmup_epochs=5 --lr_warmup_start_factor=0.1 --max_grad_norm=1.0 --img_size=224 --num_workers=18")
+    readme = (
+        "--experiment_name=ResNet50 --path_to_data=/data --working_directory=/work --num_classes=1000 "
+        "--epochs=90 --save_checkpoint_interval=2 --batch_size=512 --gradient_accumulation_steps=1 "
+        "--learning_rate=0.1 --weight_decay=1e-4 --momentum=0.9 --step_lr_decay=0.1 --lr_step_size=30 "
+        "--warmup_epochs=5 --lr_warmup_start_factor=0.1 --max_grad_norm=1.0 --img_size=224 --num_workers=18"
+    )
     args = simple_train.get_args_parser().parse_args(readme.split())
     assert args.lr_warmup_epochs == 5 and args.batch_size == 512 and args.max_grad_norm == 1.0
 
 
-@pytest.mark.parametrize("bad", [["--path_to_data", "/no/such/folder"], ["--path_to_data", ".", "--epochs", "0"],
-                                 ["--path_to_data", ".", "--batch_size", "-4"]], ids=["path", "epochs", "batch"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--path_to_data", "/no/such/folder"],
+        ["--path_to_data", ".", "--epochs", "0"],
+        ["--path_to_data", ".", "--batch_size", "-4"],
+    ],
+    ids=["path", "epochs", "batch"],
+)
 def test_a_bad_flag_or_path_is_one_line_and_exit_2(bad, capsys):
     with pytest.raises(SystemExit) as exit_:
         simple_train.main(bad)
@@ -113,16 +123,28 @@ def test_schedule_is_the_course_schedule_step_for_step():
 
     parser = simple_train.get_args_parser()
     for schedule, extra in [("cosine", []), ("step", ["--lr_step_size", "2", "--step_lr_decay", "0.5"])]:
-        args = parser.parse_args(["--path_to_data", ".", "--epochs", "5", "--learning_rate", "0.2", "--lr_scheduler",
-                                  schedule, "--lr_warmup_epochs", "1.5", *extra])
+        args = parser.parse_args(
+            [
+                "--path_to_data",
+                ".",
+                "--epochs",
+                "5",
+                "--learning_rate",
+                "0.2",
+                "--lr_scheduler",
+                schedule,
+                "--lr_warmup_epochs",
+                "1.5",
+                *extra,
+            ]
+        )
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.learning_rate)
         scheduler, ours = simple_train.build_scheduler(optimizer, args, steps_per_epoch=10), []
         for _ in range(50):
             ours.append(optimizer.param_groups[0]["lr"])
             optimizer.step()
             scheduler.step()
-        course = lr_curve(schedule, 50, base_lr=0.2, warmup_steps=15, warmup_start_factor=0.01,
-                          step_size=20, gamma=0.5)
+        course = lr_curve(schedule, 50, base_lr=0.2, warmup_steps=15, warmup_start_factor=0.01, step_size=20, gamma=0.5)
         assert ours == pytest.approx(course, abs=1e-12), schedule
 
 
@@ -141,8 +163,9 @@ def test_param_groups_exempt_every_norm_layer_and_bias_only_when_asked():
 
 def test_crops_depend_on_seed_epoch_and_index_only():
     parser = simple_train.get_args_parser()
-    train_ds, _ = simple_train.load_data(parser.parse_args(["--path_to_data", str(embedded_data_path()),
-                                                            "--img_size", "16"]))
+    train_ds, _ = simple_train.load_data(
+        parser.parse_args(["--path_to_data", str(embedded_data_path()), "--img_size", "16"])
+    )
     first = train_ds[3][0]
     torch.rand(100)  # the process's random state moves: the crop must not
     assert torch.equal(train_ds[3][0], first)
@@ -161,10 +184,27 @@ def test_help_and_a_one_process_run_from_the_command_line_logging_to_wandb_offli
     command = [sys.executable, "-m", "tutorial_lib.simple_train"]
     help_text = subprocess.run([*command, "--help"], env=env, capture_output=True, text=True, check=True).stdout
     assert "the video's flags" in help_text and "PER PROCESS" in help_text
-    done = subprocess.run([*command, *flags(path_to_data=data, working_directory=tmp_path / "runs", cpu=True,
-                                            model="resnet18", img_size=16, batch_size=8, epochs=2, num_workers=0,
-                                            experiment_name="one")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            *command,
+            *flags(
+                path_to_data=data,
+                working_directory=tmp_path / "runs",
+                cpu=True,
+                model="resnet18",
+                img_size=16,
+                batch_size=8,
+                epochs=2,
+                num_workers=0,
+                experiment_name="one",
+            ),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     run_dir = tmp_path / "runs" / "one"
     assert [r["epoch"] for r in rows(run_dir)] == [0, 1] and all(r["val_count"] == 30 for r in rows(run_dir))
@@ -179,10 +219,32 @@ def test_two_processes_count_every_validation_image_once_and_agree_with_one(tmp_
     from torch.utils.data import DataLoader
 
     data = subset(tmp_path / "data", 8, 5)  # 50 validation images: 7 batches of 8, one process gets a padded 8th
-    options = dict(path_to_data=data, working_directory=tmp_path / "runs", cpu=True, model="resnet18", img_size=32,
-                   batch_size=8, learning_rate=0.01, epochs=1, num_workers=0, log_with="none", experiment_name="two")
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--main_process_port", str(free_port()), "-m", "tutorial_lib.simple_train", *flags(**options)]
+    options = dict(
+        path_to_data=data,
+        working_directory=tmp_path / "runs",
+        cpu=True,
+        model="resnet18",
+        img_size=32,
+        batch_size=8,
+        learning_rate=0.01,
+        epochs=1,
+        num_workers=0,
+        log_with="none",
+        experiment_name="two",
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "tutorial_lib.simple_train",
+        *flags(**options),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-5000:]
@@ -204,16 +266,33 @@ def test_two_processes_count_every_validation_image_once_and_agree_with_one(tmp_
 def test_resume_at_an_epoch_end_and_in_the_middle_of_an_epoch_is_bit_identical(tmp_path):
     data = subset(tmp_path / "data", 10, 3)  # 100 images, batches of 16: 6 optimizer steps per epoch
     # MobileNetV3: BatchNorm statistics and dropout masks (the process's random state) must both come back
-    common = dict(path_to_data=data, working_directory=tmp_path, model="mobilenet_v3_small", img_size=32,
-                  batch_size=16, learning_rate=0.05, lr_scheduler="cosine", epochs=2, num_workers=1)
+    common = dict(
+        path_to_data=data,
+        working_directory=tmp_path,
+        model="mobilenet_v3_small",
+        img_size=32,
+        batch_size=16,
+        learning_rate=0.05,
+        lr_scheduler="cosine",
+        epochs=2,
+        num_workers=1,
+    )
     run_in_process(**common, experiment_name="straight")
-    run_in_process(**common, experiment_name="from_epoch_end",
-                   resume_from_checkpoint=tmp_path / "straight" / "checkpoints" / "step_000000006")
+    run_in_process(
+        **common,
+        experiment_name="from_epoch_end",
+        resume_from_checkpoint=tmp_path / "straight" / "checkpoints" / "step_000000006",
+    )
     run_in_process(**common, experiment_name="with_steps", checkpoint_every_steps=4)
     assert sorted(p.name for p in (tmp_path / "with_steps" / "checkpoints").iterdir()) == [
-        "step_000000008", "step_000000012"]  # the two newest: step 8 is 2 micro-batches into epoch 1
-    run_in_process(**{**common, "num_workers": 0}, experiment_name="from_mid_epoch",
-                   resume_from_checkpoint=tmp_path / "with_steps" / "checkpoints" / "step_000000008")
+        "step_000000008",
+        "step_000000012",
+    ]  # the two newest: step 8 is 2 micro-batches into epoch 1
+    run_in_process(
+        **{**common, "num_workers": 0},
+        experiment_name="from_mid_epoch",
+        resume_from_checkpoint=tmp_path / "with_steps" / "checkpoints" / "step_000000008",
+    )
     straight = load_file(tmp_path / "straight" / "model.safetensors")
     for name in ["from_epoch_end", "with_steps", "from_mid_epoch"]:
         resumed = load_file(tmp_path / name / "model.safetensors")
@@ -224,8 +303,15 @@ def test_resume_at_an_epoch_end_and_in_the_middle_of_an_epoch_is_bit_identical(t
 @pytest.mark.slow
 def test_latest_resumes_the_newest_checkpoint_and_starts_fresh_without_one(tmp_path):
     data = subset(tmp_path / "data", 4, 2)
-    common = dict(path_to_data=data, working_directory=tmp_path, model="resnet18", img_size=16, batch_size=8,
-                  num_workers=0, experiment_name="job")
+    common = dict(
+        path_to_data=data,
+        working_directory=tmp_path,
+        model="resnet18",
+        img_size=16,
+        batch_size=8,
+        num_workers=0,
+        experiment_name="job",
+    )
     run_in_process(**common, epochs=1, resume_from_checkpoint="latest")  # no checkpoint yet: a fresh start
     assert sorted(p.name for p in (tmp_path / "job" / "checkpoints").iterdir()) == ["step_000000005"]
     last = run_in_process(**common, epochs=2, resume_from_checkpoint="latest")  # longer: continues after epoch 0
@@ -236,9 +322,21 @@ def test_latest_resumes_the_newest_checkpoint_and_starts_fresh_without_one(tmp_p
 
 
 # The README's recipe, shrunk for CI: ResNet18 at 32 px, 1,000 training and 400 validation images, 3 epochs.
-EQUIVALENCE = dict(model="resnet18", img_size=32, min_crop_scale=0.5, epochs=3, batch_size=16, learning_rate=0.05,
-                   lr_scheduler="cosine", lr_warmup_epochs=0.5, zero_init_residual=True, label_smoothing=0.1,
-                   num_workers=0, cpu=True, log_with="none")
+EQUIVALENCE = dict(
+    model="resnet18",
+    img_size=32,
+    min_crop_scale=0.5,
+    epochs=3,
+    batch_size=16,
+    learning_rate=0.05,
+    lr_scheduler="cosine",
+    lr_warmup_epochs=0.5,
+    zero_init_residual=True,
+    label_smoothing=0.1,
+    num_workers=0,
+    cpu=True,
+    log_with="none",
+)
 # Measured once with these runs (seeds other than the test's, in-process, on a shared 2-core VM): the final top-1 of
 # one run moves from seed to seed with a standard deviation of 1.2-2.4 points (1.2 and 2.1 for the two scripts over 8
 # seeds at batch 32, mean 18.3 and 16.7 %; 1.4 and 2.4 over 3 seeds at batch 16, mean 22.9 and 23.9 %). With 2 seeds
@@ -257,8 +355,9 @@ def test_trains_as_well_as_the_production_script(tmp_path):
     for seed in [0, 1]:
         options = {**EQUIVALENCE, "path_to_data": str(data), "working_directory": str(tmp_path), "seed": seed}
         simple.append(run_in_process(**options, experiment_name=f"simple_{seed}")["val_top1"])
-        production.append(train(default_args(**options, experiment_name=f"train_{seed}",
-                                             disable_progress_bar=True))["val_top1"])
+        production.append(
+            train(default_args(**options, experiment_name=f"train_{seed}", disable_progress_bar=True))["val_top1"]
+        )
     gap = abs(sum(simple) / 2 - sum(production) / 2)
     assert min(simple + production) > 14, (simple, production)  # chance is 10 %
     assert gap <= TOLERANCE, f"one-file {simple} vs tutorial-train {production}: means {gap:.1f} points apart"

@@ -4,6 +4,7 @@
 
 Everything runs offline: the Hub is never contacted (HF_HUB_OFFLINE), the parquet shards and the
 archives are built here from the embedded images, and the `datasets` cache goes to a temporary folder."""
+
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before anything imports datasets (also inherited by subprocesses)
@@ -25,16 +26,23 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from torch.utils.data import DataLoader
+from train_helpers import ROOT, TINY, bitwise_equal, exit_status, launch, max_weight_difference, weights
 
 import tutorial_lib.data as data_module
-from tutorial_lib.sources import (DataLayoutError, DataSourceError, RecordReader, UnreadableImageError,
-                                  embedded_data_path, resolve_data_source, scan_image_folder)
-from tutorial_lib.data import Devkit, from_archives, main, read_devkit, verify_unpacked, write_shards
-from tutorial_lib.loading import build_datasets
-from tutorial_lib.databench import format_data_benchmark, run_data_benchmark
 from tutorial_lib.checkpoints import latest_checkpoint
+from tutorial_lib.data import from_archives, main, read_devkit, verify_unpacked, write_shards
+from tutorial_lib.databench import format_data_benchmark, run_data_benchmark
+from tutorial_lib.loading import build_datasets
+from tutorial_lib.sources import (
+    DataLayoutError,
+    DataSourceError,
+    RecordReader,
+    UnreadableImageError,
+    embedded_data_path,
+    resolve_data_source,
+    scan_image_folder,
+)
 from tutorial_lib.train import default_args, train
-from train_helpers import ROOT, TINY, bitwise_equal, exit_status, launch, max_weight_difference, weights
 
 EMBEDDED = embedded_data_path()
 # The Arrow schema of ILSVRC/imagenet-1k's parquet files, written out by hand (not taken from our code)
@@ -53,8 +61,9 @@ def offline_and_private_cache(tmp_path_factory, monkeypatch):
 
 
 def hub_features_json(classes: list[str]) -> bytes:
-    return json.dumps({"info": {"features": {"image": {"_type": "Image"},
-                                             "label": {"names": classes, "_type": "ClassLabel"}}}}).encode()
+    return json.dumps(
+        {"info": {"features": {"image": {"_type": "Image"}, "label": {"names": classes, "_type": "ClassLabel"}}}}
+    ).encode()
 
 
 def write_hub_parquet(out: Path, src: Path = EMBEDDED, shards: int = 3, test_split: bool = False) -> Path:
@@ -68,10 +77,11 @@ def write_hub_parquet(out: Path, src: Path = EMBEDDED, shards: int = 3, test_spl
         files = [(p, y) for y, c in enumerate(classes) for p in sorted((src / folder / c).iterdir())]
         schema = HUB_SCHEMA.with_metadata({"huggingface": hub_features_json(classes)})
         for k in range(shards):
-            part = files[k * len(files) // shards:(k + 1) * len(files) // shards]
+            part = files[k * len(files) // shards : (k + 1) * len(files) // shards]
             labels = [-1 if split == "test" else y for _, y in part]  # the Hub's test split has no labels
-            table = pa.table({"image": [{"bytes": p.read_bytes(), "path": p.name} for p, _ in part], "label": labels},
-                             schema=schema)
+            table = pa.table(
+                {"image": [{"bytes": p.read_bytes(), "path": p.name} for p, _ in part], "label": labels}, schema=schema
+            )
             pq.write_table(table, out / "data" / f"{split}-{k:05d}-of-{shards:05d}.parquet")
     return out
 
@@ -96,32 +106,38 @@ def tiny_tree(root: Path, classes=("n01", "n02"), per_class: int = 3) -> Path:
 
 # --- resolve_data_source: which form is it? ------------------------------------------------------------------
 
+
 def test_resolve_data_source_tells_each_form_apart(tmp_path, hub_parquet):
     assert resolve_data_source(EMBEDDED).kind == "folders"
     source = resolve_data_source(hub_parquet)
     assert source.kind == "parquet" and [Path(f).name for f in source.files["validation"]] == [
-        f"validation-{k:05d}-of-00003.parquet" for k in range(3)]
+        f"validation-{k:05d}-of-00003.parquet" for k in range(3)
+    ]
     split_folders = tmp_path / "split_folders"
     for split in ("train", "validation"):
         (split_folders / split).mkdir(parents=True)
-        (split_folders / split / "0000.parquet").write_bytes((hub_parquet / "data" / f"{split}-00000-of-00003.parquet")
-                                                            .read_bytes())
+        (split_folders / split / "0000.parquet").write_bytes(
+            (hub_parquet / "data" / f"{split}-00000-of-00003.parquet").read_bytes()
+        )
     assert resolve_data_source(split_folders).kind == "parquet"
     hub = resolve_data_source("ILSVRC/imagenet-1k")
     assert (hub.kind, hub.location) == ("hub", "ILSVRC/imagenet-1k")
     assert resolve_data_source(source) is source
 
 
-@pytest.mark.parametrize("case, error, words", [
-    ("missing", FileNotFoundError, ["does not exist", "Hub id"]),
-    ("file", NotADirectoryError, ["is a file"]),
-    ("archives", DataSourceError, ["from-archives"]),
-    ("no validation shards", DataSourceError, ["validation"]),
-    ("unknown split", DataSourceError, ["cannot tell the split", "train-*.parquet"]),
-    ("one saved split", DataSourceError, ["one split"]),
-    ("saved without validation", DataSourceError, ["'train'", "'validation'"]),
-    ("no train folder", FileNotFoundError, ["no train/"]),
-])
+@pytest.mark.parametrize(
+    "case, error, words",
+    [
+        ("missing", FileNotFoundError, ["does not exist", "Hub id"]),
+        ("file", NotADirectoryError, ["is a file"]),
+        ("archives", DataSourceError, ["from-archives"]),
+        ("no validation shards", DataSourceError, ["validation"]),
+        ("unknown split", DataSourceError, ["cannot tell the split", "train-*.parquet"]),
+        ("one saved split", DataSourceError, ["one split"]),
+        ("saved without validation", DataSourceError, ["'train'", "'validation'"]),
+        ("no train folder", FileNotFoundError, ["no train/"]),
+    ],
+)
 def test_unusable_sources_are_refused_with_one_line_saying_what_to_change(tmp_path, case, error, words):
     root = tmp_path / "data"
     root.mkdir()
@@ -151,6 +167,7 @@ def test_unusable_sources_are_refused_with_one_line_saying_what_to_change(tmp_pa
 
 def test_missing_datasets_package_says_how_to_install_it(monkeypatch, hub_parquet):
     import importlib.util
+
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datasets" else real(name, *a))
     for where in [hub_parquet, "ILSVRC/imagenet-1k"]:
@@ -160,6 +177,7 @@ def test_missing_datasets_package_says_how_to_install_it(monkeypatch, hub_parque
 
 
 # --- parquet shards ------------------------------------------------------------------------------------------
+
 
 def test_parquet_samples_match_the_folders_sample_by_sample(hub_parquet):
     pq_train, pq_val = build_datasets(hub_parquet, img_size=32)
@@ -188,14 +206,37 @@ def test_parquet_classic_and_gpu_pipelines_read_the_same_bytes(hub_parquet):
     assert torch.equal(a, c_dir[7][0]) and a.dtype == torch.float32
 
 
-TRAIN = dict(model="tinycnn", img_size=32, epochs=2, batch_size=16, max_train_samples=64, max_val_samples=32,
-             learning_rate=0.05, momentum=0.9, lr_scheduler="step", lr_step_size=1, step_lr_decay=0.5, num_workers=0,
-             cpu=True, log_with="none", disable_progress_bar=True)  # 4 steps per epoch
+TRAIN = dict(
+    model="tinycnn",
+    img_size=32,
+    epochs=2,
+    batch_size=16,
+    max_train_samples=64,
+    max_val_samples=32,
+    learning_rate=0.05,
+    momentum=0.9,
+    lr_scheduler="step",
+    lr_step_size=1,
+    step_lr_decay=0.5,
+    num_workers=0,
+    cpu=True,
+    log_with="none",
+    disable_progress_bar=True,
+)  # 4 steps per epoch
 
 
 def run(tmp_path, name, data, **overrides) -> dict:
-    return train(default_args(**{**TRAIN, "path_to_data": str(data), "working_directory": str(tmp_path),
-                                 "experiment_name": name, **overrides}))
+    return train(
+        default_args(
+            **{
+                **TRAIN,
+                "path_to_data": str(data),
+                "working_directory": str(tmp_path),
+                "experiment_name": name,
+                **overrides,
+            }
+        )
+    )
 
 
 def test_training_from_hub_parquet_is_bit_identical_to_training_from_folders(tmp_path, hub_parquet):
@@ -204,8 +245,9 @@ def test_training_from_hub_parquet_is_bit_identical_to_training_from_folders(tmp
     folders = run(tmp_path, "folders", EMBEDDED)
     parquet = run(tmp_path, "parquet", hub_parquet)
     assert folders["optimizer_steps"] == parquet["optimizer_steps"] == 8
-    assert bitwise_equal(weights(tmp_path / "folders"), weights(tmp_path / "parquet")), \
+    assert bitwise_equal(weights(tmp_path / "folders"), weights(tmp_path / "parquet")), (
         f"weights differ by {max_weight_difference(weights(tmp_path / 'folders'), weights(tmp_path / 'parquet'))}"
+    )
     stopped = run(tmp_path, "resumed", hub_parquet, stop_after_steps=6)  # mid-epoch 1
     assert stopped["stopped"] and latest_checkpoint(tmp_path / "resumed").name == "step_000000006"
     run(tmp_path, "resumed", hub_parquet, resume_from_checkpoint="latest", num_workers=2)
@@ -247,12 +289,32 @@ def test_corrupt_record_is_named_by_shard_and_row_and_skipped_on_request(tmp_pat
 
 def test_training_script_stops_on_a_corrupt_record_naming_it(tmp_path, capsys):
     from tutorial_lib.train import main as train_main
+
     src = tiny_tree(tmp_path / "src", per_class=8)
     (src / "train" / "n01" / "n01_3.JPEG").write_bytes(b"not a jpeg")
     out = write_hub_parquet(tmp_path / "pq", src, shards=2)
-    argv = ["--model", "tinycnn", "--img_size", "16", "--epochs", "1", "--batch_size", "4", "--num_workers", "0",
-            "--cpu", "--log_with", "none", "--disable_progress_bar", "--path_to_data", str(out),
-            "--working_directory", str(tmp_path), "--experiment_name", "bad"]
+    argv = [
+        "--model",
+        "tinycnn",
+        "--img_size",
+        "16",
+        "--epochs",
+        "1",
+        "--batch_size",
+        "4",
+        "--num_workers",
+        "0",
+        "--cpu",
+        "--log_with",
+        "none",
+        "--disable_progress_bar",
+        "--path_to_data",
+        str(out),
+        "--working_directory",
+        str(tmp_path),
+        "--experiment_name",
+        "bad",
+    ]
     with pytest.raises(SystemExit) as caught:
         train_main(argv)
     last = capsys.readouterr().err.strip().splitlines()[-1]
@@ -263,8 +325,11 @@ def test_training_script_stops_on_a_corrupt_record_naming_it(tmp_path, capsys):
 
 def test_save_to_disk_folder_reads_like_the_shards(tmp_path, hub_parquet):
     from datasets import DatasetDict
+
     pq_train, pq_val = build_datasets(hub_parquet, img_size=32)
-    DatasetDict({"train": pq_train.reader.records, "validation": pq_val.reader.records}).save_to_disk(tmp_path / "saved")
+    DatasetDict({"train": pq_train.reader.records, "validation": pq_val.reader.records}).save_to_disk(
+        tmp_path / "saved"
+    )
     assert resolve_data_source(tmp_path / "saved").kind == "saved"
     saved_train, saved_val = build_datasets(tmp_path / "saved", img_size=32, pipeline="gpu")
     dir_train, _ = build_datasets(EMBEDDED, img_size=32, pipeline="gpu")
@@ -277,10 +342,12 @@ def test_hub_id_is_loaded_with_its_train_and_validation_splits(tmp_path, monkeyp
     """The Hub replaced by a local folder of the same layout (the download is all that differs); its
     unlabelled test split is ignored."""
     import datasets
+
     local = write_hub_parquet(tmp_path / "hub_copy", tiny_tree(tmp_path / "src"), shards=1, test_split=True)
     real = datasets.load_dataset
-    monkeypatch.setattr(datasets, "load_dataset", lambda path, **kw: real(str(local) if path == "someone/imagenet-1k"
-                                                                          else path, **kw))
+    monkeypatch.setattr(
+        datasets, "load_dataset", lambda path, **kw: real(str(local) if path == "someone/imagenet-1k" else path, **kw)
+    )
     train_ds, val_ds = build_datasets("someone/imagenet-1k", img_size=16)
     assert train_ds.classes == ["n01", "n02"] and (len(train_ds), len(val_ds)) == (6, 6)
     assert train_ds.root == "someone/imagenet-1k [train]" and val_ds[5][1] == 1
@@ -296,9 +363,13 @@ def test_unreachable_hub_id_fails_with_one_line(tmp_path):
 def test_training_script_trains_from_a_hub_id_as_from_folders(tmp_path, monkeypatch, hub_parquet):
     """The Hub replaced by a local folder of the same layout: the same weights as from the folders."""
     import datasets
+
     real = datasets.load_dataset
-    monkeypatch.setattr(datasets, "load_dataset", lambda path, **kw: real(str(hub_parquet) if path == "ILSVRC/imagenet-1k"
-                                                                          else path, **kw))
+    monkeypatch.setattr(
+        datasets,
+        "load_dataset",
+        lambda path, **kw: real(str(hub_parquet) if path == "ILSVRC/imagenet-1k" else path, **kw),
+    )
     run(tmp_path, "hub", "ILSVRC/imagenet-1k")
     run(tmp_path, "folders", EMBEDDED)
     assert bitwise_equal(weights(tmp_path / "hub"), weights(tmp_path / "folders"))
@@ -306,16 +377,27 @@ def test_training_script_trains_from_a_hub_id_as_from_folders(tmp_path, monkeypa
 
 # --- shard: folders → parquet shards -------------------------------------------------------------------------
 
+
 def test_shard_writes_the_hub_schema_with_the_folders_bytes_in_order(tmp_path):
     counts = write_shards(EMBEDDED, tmp_path / "shards", shard_mb=1, log=lambda s: None)
     files = sorted((tmp_path / "shards" / "data").glob("*.parquet"))
-    assert counts == {"train": 4000, "validation": 1000, "classes": 10, "shards": len(files), "written": len(files),
-                      "out": str(tmp_path / "shards" / "data")}
-    assert [f.name for f in files if f.name.startswith("train")] == [f"train-{k:05d}-of-00004.parquet" for k in range(4)]
+    assert counts == {
+        "train": 4000,
+        "validation": 1000,
+        "classes": 10,
+        "shards": len(files),
+        "written": len(files),
+        "out": str(tmp_path / "shards" / "data"),
+    }
+    assert [f.name for f in files if f.name.startswith("train")] == [
+        f"train-{k:05d}-of-00004.parquet" for k in range(4)
+    ]
     classes, samples = scan_image_folder(EMBEDDED / "train")
     for f in files:
         schema = pq.read_schema(f)
-        assert schema.remove_metadata().equals(HUB_SCHEMA) and schema.metadata[b"huggingface"] == hub_features_json(classes)
+        assert schema.remove_metadata().equals(HUB_SCHEMA) and schema.metadata[b"huggingface"] == hub_features_json(
+            classes
+        )
     rows = pa.concat_tables(pq.read_table(f) for f in files if f.name.startswith("train")).to_pylist()
     assert [(r["image"]["bytes"], r["label"]) for r in rows] == [(Path(p).read_bytes(), y) for p, y in samples]
     assert rows[0]["image"]["path"] == "airplane/0000.jpg"
@@ -342,6 +424,7 @@ def test_shard_resumes_and_refuses_another_runs_shards(tmp_path):
 
 # --- from-archives: the official ILSVRC2012 archives → folders -----------------------------------------------
 
+
 def add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     info = tarfile.TarInfo(name)
     info.size = len(data)
@@ -359,7 +442,16 @@ def make_archives(folder: Path, ids=IDS, train_counts=None, declared=None, val=V
     pictures = sorted((EMBEDDED / "val" / "dog").iterdir())
     train_counts = train_counts or {w: 2 + k for k, w in enumerate(ids)}
     declared = declared or train_counts
-    fields = ["ILSVRC2012_ID", "WNID", "words", "gloss", "num_children", "children", "wordnet_height", "num_train_images"]
+    fields = [
+        "ILSVRC2012_ID",
+        "WNID",
+        "words",
+        "gloss",
+        "num_children",
+        "children",
+        "wordnet_height",
+        "num_train_images",
+    ]
     synsets = np.zeros((len(ids) + 2, 1), dtype=[(f, "O") for f in fields])
     for row, (wnid, k) in enumerate(sorted(ids.items(), key=lambda item: item[1])):
         synsets[row, 0] = (k, wnid, f"{wnid} words, more words", "gloss", 0, np.zeros(0), 0, declared[wnid])
@@ -367,13 +459,17 @@ def make_archives(folder: Path, ids=IDS, train_counts=None, declared=None, val=V
     synsets[n, 0] = (n + 1, "n00000002", "an ancestor", "gloss", 2, np.array([1, 2]), 1, 0)
     synsets[n + 1, 0] = (n + 2, "n00000001", "entity", "gloss", 1, np.array([n + 1]), 2, 0)
     import scipy.io
+
     meta = io.BytesIO()
     scipy.io.savemat(meta, {"synsets": synsets})
     with tarfile.open(folder / "ILSVRC2012_devkit_t12.tar.gz", "w:gz") as tar:
         add_bytes(tar, "ILSVRC2012_devkit_t12/COPYING", b"terms")
         add_bytes(tar, "ILSVRC2012_devkit_t12/data/meta.mat", meta.getvalue())
-        add_bytes(tar, "ILSVRC2012_devkit_t12/data/ILSVRC2012_validation_ground_truth.txt",
-                  "".join(f"{ids[w]}\n" for w in val).encode())
+        add_bytes(
+            tar,
+            "ILSVRC2012_devkit_t12/data/ILSVRC2012_validation_ground_truth.txt",
+            "".join(f"{ids[w]}\n" for w in val).encode(),
+        )
     k = 0
     with tarfile.open(folder / "ILSVRC2012_img_train.tar", "w") as tar:
         for wnid in ids:
@@ -390,7 +486,9 @@ def make_archives(folder: Path, ids=IDS, train_counts=None, declared=None, val=V
 
 
 def fingerprint(folder: Path) -> dict:
-    return {p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns) for p in sorted(folder.iterdir())}
+    return {
+        p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns) for p in sorted(folder.iterdir())
+    }
 
 
 def test_from_archives_unpacks_the_layout_verifies_it_and_never_touches_the_archives(tmp_path):
@@ -406,12 +504,15 @@ def test_from_archives_unpacks_the_layout_verifies_it_and_never_touches_the_arch
     truth = {f"ILSVRC2012_val_{k:08d}.JPEG": w for k, w in enumerate(VAL, start=1)}
     assert {Path(p).name: val_ds.classes[y] for p, y in val_ds.samples} == truth
     assert sorted(p.name for p in (tmp_path / "imagenet" / "train" / "n02119789").iterdir()) == [
-        "n02119789_1000.JPEG", "n02119789_1001.JPEG"]
+        "n02119789_1000.JPEG",
+        "n02119789_1001.JPEG",
+    ]
     assert not list((tmp_path / "imagenet").rglob(".*")), "no temporary folder or file is left"
 
 
 def test_devkit_is_read_as_torchvision_reads_it(tmp_path, monkeypatch):
     import torchvision.datasets.imagenet as tv
+
     archives = make_archives(tmp_path / "archives")
     devkit = read_devkit(archives / "ILSVRC2012_devkit_t12.tar.gz")
     assert devkit.wnids == ["n02119789", "n01440764", "n02102040"] and not devkit.official
@@ -466,20 +567,24 @@ def test_from_archives_resumes_after_an_interruption_in_train_and_in_val(tmp_pat
     assert not list(out.rglob(".*")) and not list(out.rglob("partial.JPEG"))
 
 
-@pytest.mark.parametrize("case, words", [
-    ("no devkit", ["ILSVRC2012_devkit_t12.tar.gz", "image-net.org"]),
-    ("wrong devkit classes", ["only in the tar", "do not match"]),
-    ("val and ground truth differ", ["ground truth", "do not match"]),
-    ("disk too small", ["needs", "free"]),
-    ("not a devkit", ["not the ILSVRC2012 devkit"]),
-])
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("no devkit", ["ILSVRC2012_devkit_t12.tar.gz", "image-net.org"]),
+        ("wrong devkit classes", ["only in the tar", "do not match"]),
+        ("val and ground truth differ", ["ground truth", "do not match"]),
+        ("disk too small", ["needs", "free"]),
+        ("not a devkit", ["not the ILSVRC2012 devkit"]),
+    ],
+)
 def test_from_archives_refuses_user_errors_with_exit_2_before_writing(tmp_path, capsys, monkeypatch, case, words):
     archives = make_archives(tmp_path / "archives")
     if case == "no devkit":
         (archives / "ILSVRC2012_devkit_t12.tar.gz").unlink()
     elif case == "wrong devkit classes":
-        other = make_archives(tmp_path / "other", ids={"n09999999": 1, "n01440764": 2, "n02102040": 3},
-                              val=["n09999999"] * 5)
+        other = make_archives(
+            tmp_path / "other", ids={"n09999999": 1, "n01440764": 2, "n02102040": 3}, val=["n09999999"] * 5
+        )
         (archives / "ILSVRC2012_devkit_t12.tar.gz").write_bytes((other / "ILSVRC2012_devkit_t12.tar.gz").read_bytes())
     elif case == "val and ground truth differ":
         other = make_archives(tmp_path / "other", val=VAL[:4])
@@ -515,8 +620,9 @@ def test_prepare_val_reads_the_devkit_class_numbers_through_its_meta_mat(tmp_pat
     val = flat_val_of(tmp_path / "val")
     assert exit_status(main, ["prepare-val", str(val), str(devkit), "--apply"]) == 0
     classes, samples = scan_image_folder(val)
-    assert {Path(p).name: classes[y] for p, y in samples} == {f"ILSVRC2012_val_{k:08d}.JPEG": w
-                                                              for k, w in enumerate(VAL, start=1)}
+    assert {Path(p).name: classes[y] for p, y in samples} == {
+        f"ILSVRC2012_val_{k:08d}.JPEG": w for k, w in enumerate(VAL, start=1)
+    }
 
 
 def test_prepare_val_with_a_devkit_that_does_not_match_changes_nothing(tmp_path, capsys):
@@ -541,17 +647,31 @@ def test_declared_counts_are_verified_and_the_official_devkit_demands_ilsvrc2012
 
 
 def test_data_command_line_runs_shard_and_refuses_from_archives_without_archives(tmp_path, capsys):
-    assert exit_status(main, ["shard", str(tiny_tree(tmp_path / "src")), str(tmp_path / "shards"), "--shard_mb", "0.01"]) == 0
+    assert (
+        exit_status(main, ["shard", str(tiny_tree(tmp_path / "src")), str(tmp_path / "shards"), "--shard_mb", "0.01"])
+        == 0
+    )
     assert resolve_data_source(tmp_path / "shards").kind == "parquet"
-    done = subprocess.run([sys.executable, "-m", "tutorial_lib.data", "from-archives", str(tmp_path / "nothing"),
-                           str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert done.returncode == 2 and done.stderr.startswith("python -m tutorial_lib.data: error: archive folder") and not (tmp_path / "out").exists()
+    done = subprocess.run(
+        [sys.executable, "-m", "tutorial_lib.data", "from-archives", str(tmp_path / "nothing"), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert (
+        done.returncode == 2
+        and done.stderr.startswith("python -m tutorial_lib.data: error: archive folder")
+        and not (tmp_path / "out").exists()
+    )
 
 
 # --- the benchmark -------------------------------------------------------------------------------------------
 
+
 def test_data_benchmark_reports_parquet_beside_files_and_cleans_up(tmp_path, monkeypatch):
     import tempfile
+
     src = tiny_tree(tmp_path / "src")
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
@@ -561,5 +681,7 @@ def test_data_benchmark_reports_parquet_beside_files_and_cleans_up(tmp_path, mon
     text = format_data_benchmark(result)
     assert "ours, parquet" in text and "parquet ÷ files" in text
     assert not list((tmp_path / "tmp").iterdir()), "the parquet file and its Arrow copy are deleted"
-    without = run_data_benchmark(src / "train", workers=0, img_size=32, batch_size=2, repeats=1, rounds=1, parquet=False)
+    without = run_data_benchmark(
+        src / "train", workers=0, img_size=32, batch_size=2, repeats=1, rounds=1, parquet=False
+    )
     assert "parquet_train_ips" not in without and "ours, parquet" not in format_data_benchmark(without)

@@ -3,6 +3,7 @@
 The CI version of the stress run: 2 trials, forked runs (the same `main` as `python -m
 tutorial_lib.train`, without 5 s of imports per run). The full 10-trial run with
 `python -m tutorial_lib.train` per run is `python -m tutorial_lib.stress resume --trials 10`."""
+
 import os
 import random
 import subprocess
@@ -15,16 +16,31 @@ import pytest
 from accelerate.data_loader import BatchSamplerShard
 from kernel_helpers import run_in_kernel, short_tmpdir
 from torch.utils.data import BatchSampler
-
 from train_helpers import assert_user_error
 
 from tutorial_lib.cli import as_flags
-from tutorial_lib.sources import UnreadableImageError
 from tutorial_lib.loading import EpochSeededSampler, build_datasets
-from tutorial_lib.stress import (BAD_FILE_KINDS, KILL_KINDS, CliResult, KillPlan, KillRecord, TrainingProcess,
-                                 can_mount_small_disk, child_env, corrupt_image, draw_kill_plan,
-                                 first_files_of_process, make_image_folder, run_cli, scale_kill_plan, sigterm_problem,
-                                 stopped_at_step, stress_resume, trial_kill_plans)
+from tutorial_lib.sources import UnreadableImageError
+from tutorial_lib.stress import (
+    BAD_FILE_KINDS,
+    KILL_KINDS,
+    CliResult,
+    KillPlan,
+    KillRecord,
+    TrainingProcess,
+    can_mount_small_disk,
+    child_env,
+    corrupt_image,
+    draw_kill_plan,
+    first_files_of_process,
+    make_image_folder,
+    run_cli,
+    scale_kill_plan,
+    sigterm_problem,
+    stopped_at_step,
+    stress_resume,
+    trial_kill_plans,
+)
 
 pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
 
@@ -57,8 +73,9 @@ def test_the_default_stress_run_mixes_sigterm_with_sigkill_and_its_plans_do_not_
     assert plans == [trial_kill_plans(0, t, 3, 18, 1.5) for t in range(10)]
     kinds = [p.kind for trial in plans for p in trial]
     assert kinds.count("sigterm") >= 5 and kinds.count("during_save") >= 10, kinds
-    assert any(p.kind == "sigterm" for p in plans[0]) and any(p.kind == "sigterm" for p in plans[1]), \
+    assert any(p.kind == "sigterm" for p in plans[0]) and any(p.kind == "sigterm" for p in plans[1]), (
         "the 2 trials of CI and notebook 11a include a SIGTERM"
+    )
     assert trial_kill_plans(1, 0, 3, 18, 1.5) != plans[0], "another seed, other plans"
 
 
@@ -77,17 +94,21 @@ def test_a_sigterm_must_end_in_exit_143_after_a_checkpoint_of_the_step_it_names(
     assert stopped_at_step(stdout) == 14 and stopped_at_step("no such line") is None
     good = KillRecord(plan, True, complete_step=14, exit_code=143, stopped_at=14)
     assert sigterm_problem(good, final_step=36) == ""
-    assert "exit -15" in sigterm_problem(KillRecord(plan, True, complete_step=12, exit_code=-15), final_step=36), \
+    assert "exit -15" in sigterm_problem(KillRecord(plan, True, complete_step=12, exit_code=-15), final_step=36), (
         "killed by the signal during training: work was lost"
-    assert sigterm_problem(KillRecord(plan, True, complete_step=36, exit_code=-15), final_step=36) == "", \
+    )
+    assert sigterm_problem(KillRecord(plan, True, complete_step=36, exit_code=-15), final_step=36) == "", (
         "training was over and its last checkpoint complete: the signal only ended the process on its way out"
+    )
     assert "newest complete checkpoint is step 12" in sigterm_problem(
-        KillRecord(plan, True, complete_step=12, exit_code=143, stopped_at=14), final_step=36)
+        KillRecord(plan, True, complete_step=12, exit_code=143, stopped_at=14), final_step=36
+    )
 
 
 def test_sigterm_trials_checkpoint_exit_143_and_resume_bitwise_identical(tmp_path):
-    results = stress_resume(trials=1, seed=0, workdir=tmp_path, kills_per_trial=2, launcher="fork", kinds=("sigterm",),
-                            verbose=False)
+    results = stress_resume(
+        trials=1, seed=0, workdir=tmp_path, kills_per_trial=2, launcher="fork", kinds=("sigterm",), verbose=False
+    )
     assert all(r.passed for r in results), [r.summary() for r in results]
     terms = [k for r in results for k in r.kills if k.killed]
     assert terms and all(k.plan.kind == "sigterm" and k.exit_code == 143 for k in terms), [k.describe() for k in terms]
@@ -117,22 +138,39 @@ def test_first_files_of_process_are_what_accelerate_hands_that_process(tmp_path)
 def test_assert_user_error_rejects_tracebacks_extra_lines_and_wrong_codes():
     good = CliResult(2, "", "tutorial-train: error: --epochs must be >= 1, got 0\n", 0.1)
     assert_user_error(good, "--epochs must be >= 1, got 0")
-    for bad in [CliResult(1, "", good.stderr, 0.1), CliResult(2, "", "Traceback (most recent call last):\n" + good.stderr, 0.1),
-                CliResult(2, "", "a warning\n" + good.stderr, 0.1)]:
+    for bad in [
+        CliResult(1, "", good.stderr, 0.1),
+        CliResult(2, "", "Traceback (most recent call last):\n" + good.stderr, 0.1),
+        CliResult(2, "", "a warning\n" + good.stderr, 0.1),
+    ]:
         with pytest.raises(AssertionError):
             assert_user_error(bad, "--epochs must be >= 1, got 0")
 
 
 def test_stress_command_line_refuses_bad_values_in_one_line():
-    done = subprocess.run([sys.executable, "-m", "tutorial_lib.stress", "resume", "--trials", "0"], capture_output=True,
-                          text=True, env=child_env(), timeout=120)
-    assert (done.returncode, done.stderr) == (2, "python -m tutorial_lib.stress resume: error: --trials must be >= 1, got 0\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "tutorial_lib.stress", "resume", "--trials", "0"],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=120,
+    )
+    assert (done.returncode, done.stderr) == (
+        2,
+        "python -m tutorial_lib.stress resume: error: --trials must be >= 1, got 0\n",
+    )
     from tutorial_lib.stress import main
-    for argv, message in [(["resume", "--kills_per_trial", "-1"], "--kills_per_trial must be >= 0, got -1"),
-                          (["resume", "--epochs", "0"], "--epochs must be >= 1, got 0"),
-                          (["resume", "--kinds", "sighup"], "--kinds invalid choice: 'sighup' (choose from "
-                                                            "'during_save', 'after_save', 'random_time', 'final_save', "
-                                                            "'sigint', 'sigterm')")]:
+
+    for argv, message in [
+        (["resume", "--kills_per_trial", "-1"], "--kills_per_trial must be >= 0, got -1"),
+        (["resume", "--epochs", "0"], "--epochs must be >= 1, got 0"),
+        (
+            ["resume", "--kinds", "sighup"],
+            "--kinds invalid choice: 'sighup' (choose from "
+            "'during_save', 'after_save', 'random_time', 'final_save', "
+            "'sigint', 'sigterm')",
+        ),
+    ]:
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         assert exit_.value.code == 2, argv
@@ -140,13 +178,30 @@ def test_stress_command_line_refuses_bad_values_in_one_line():
         stress_resume(trials=1, kinds=("sighup",))
 
 
-
 def test_stress_command_line_deletes_its_temporary_folder_when_every_trial_passed():
     with short_tmpdir() as tmp:
-        done = subprocess.run([sys.executable, "-m", "tutorial_lib.stress", "resume", "--trials", "1", "--kills_per_trial",
-                               "1", "--epochs", "1", "--launcher", "fork", "--accelerate_trials", "0"],
-                              capture_output=True, text=True,
-                              env=child_env(TMPDIR=str(tmp)), timeout=300)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tutorial_lib.stress",
+                "resume",
+                "--trials",
+                "1",
+                "--kills_per_trial",
+                "1",
+                "--epochs",
+                "1",
+                "--launcher",
+                "fork",
+                "--accelerate_trials",
+                "0",
+            ],
+            capture_output=True,
+            text=True,
+            env=child_env(TMPDIR=str(tmp)),
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         assert "1/1 trials identical" in done.stdout
         assert not [p.name for p in tmp.iterdir() if p.name.startswith("tutorial-stress-")]
@@ -179,11 +234,13 @@ def test_a_kernel_that_used_the_fork_launcher_cleans_up_after_stop_fork_server()
 def alive(processes: list) -> list:
     """The processes among `processes` that still run (psutil compares start times, so a reused pid is not
     mistaken for the old process; a zombie is dead)."""
+
     def running(p):
         try:
             return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
         except psutil.Error:
             return False
+
     return [p for p in processes if running(p)]
 
 
@@ -192,9 +249,21 @@ def test_a_forked_run_with_loader_workers_leaves_no_process_behind(tmp_path, kil
     """A forked run's data loader workers must die with it, as under `python -m tutorial_lib.train`
     (they used to come from a second fork server that nobody stopped)."""
     data = make_image_folder(tmp_path / "data")
-    options = dict(model="tinycnn", img_size=16, epochs=40 if killed else 3, batch_size=8, learning_rate=0.05,
-                   num_workers=2, cpu=True, log_with="none", disable_progress_bar=True, log_interval=0,
-                   path_to_data=str(data), working_directory=str(tmp_path / "runs"), experiment_name="run")
+    options = dict(
+        model="tinycnn",
+        img_size=16,
+        epochs=40 if killed else 3,
+        batch_size=8,
+        learning_rate=0.05,
+        num_workers=2,
+        cpu=True,
+        log_with="none",
+        disable_progress_bar=True,
+        log_interval=0,
+        path_to_data=str(data),
+        working_directory=str(tmp_path / "runs"),
+        experiment_name="run",
+    )
     proc = TrainingProcess(as_flags(options), tmp_path / "log", "fork")
     run, seen, deadline = psutil.Process(proc.pid), {}, time.time() + 120
     while proc.poll() is None and time.time() < deadline:  # note every process the run starts
@@ -261,7 +330,8 @@ def test_a_run_gets_the_threads_environment_and_exit_status_it_would_get_from_py
 def test_small_disk_gives_one_run_a_full_disk_that_nobody_else_sees(tmp_path, probe_module, launcher):
     disk = tmp_path / "disk"
     disk.mkdir()
-    done = run_cli(["fill", str(disk)], launcher=launcher, module="probe", env=probe_module, small_disk=(disk, "1M"),
-                   timeout=120)
+    done = run_cli(
+        ["fill", str(disk)], launcher=launcher, module="probe", env=probe_module, small_disk=(disk, "1M"), timeout=120
+    )
     assert done.returncode == 1 and "No space left on device" in done.stderr, (done.returncode, done.stderr[-2000:])
     assert list(disk.iterdir()) == [], "the small disk is mounted for that run only"

@@ -1,4 +1,5 @@
 """The notebooks are the source of `tutorial_lib`: exporting them must reproduce the committed modules."""
+
 import json
 import re
 import shutil
@@ -18,10 +19,10 @@ def copy_repo(dest: Path) -> Path:
     for name in ["pyproject.toml", "README.md"]:
         if (ROOT / name).exists():
             shutil.copy2(ROOT / name, dest / name)
-    shutil.copytree(ROOT / "notebooks", dest / "notebooks",
-                    ignore=shutil.ignore_patterns(".ipynb_checkpoints", "*.tmp"))
-    shutil.copytree(ROOT / "tutorial_lib", dest / "tutorial_lib",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        ROOT / "notebooks", dest / "notebooks", ignore=shutil.ignore_patterns(".ipynb_checkpoints", "*.tmp")
+    )
+    shutil.copytree(ROOT / "tutorial_lib", dest / "tutorial_lib", ignore=shutil.ignore_patterns("__pycache__"))
     return dest
 
 
@@ -36,8 +37,10 @@ def modules_out_of_sync(repo_copy: Path) -> list[str]:
 @pytest.mark.slow
 def test_exported_modules_match_notebooks(tmp_path):
     changed = modules_out_of_sync(copy_repo(tmp_path))
-    assert not changed, (f"tutorial_lib is out of sync with the notebooks: {changed}. "
-                         "Edit the notebook, run nbdev-export, and commit both.")
+    assert not changed, (
+        f"tutorial_lib is out of sync with the notebooks: {changed}. "
+        "Edit the notebook, run nbdev-export, and commit both."
+    )
 
 
 @pytest.mark.slow
@@ -54,8 +57,13 @@ COURSE_NOTEBOOKS = "[0-9][0-9]*_*.ipynb"  # the main path (NN_slug) and the deep
 def exported_modules(nb_path: Path) -> set[str]:
     """The modules a notebook writes: its `#| default_exp` and any `#| export <module>` cell."""
     nb = json.loads(nb_path.read_text())
-    lines = [line.split() for cell in nb["cells"] if cell["cell_type"] == "code"
-             for line in "".join(cell["source"]).splitlines() if line.startswith("#| ")]
+    lines = [
+        line.split()
+        for cell in nb["cells"]
+        if cell["cell_type"] == "code"
+        for line in "".join(cell["source"]).splitlines()
+        if line.startswith("#| ")
+    ]
     defaults = [words[-1] for words in lines if words[1] == "default_exp"]
     assert len(defaults) <= 1, f"{nb_path.name} has several default_exp: {defaults}"
     return set(defaults) | {words[2] for words in lines if words[1] in ("export", "exporti") and len(words) > 2}
@@ -99,8 +107,10 @@ def test_a_module_imports_only_modules_of_notebooks_that_sort_before_it():
     """Read in order, the course never uses what it has not built yet: a module's notebook sorts after the
     notebooks of every module it imports (00 < 00a < 01 < … < 06 < 06a < 06b < 07 …)."""
     owners = module_owners()
-    late = {module: sorted(imp for imp in library_imports(module) if imp in owners and owners[imp] >= owners[module])
-            for module in owners}
+    late = {
+        module: sorted(imp for imp in library_imports(module) if imp in owners and owners[imp] >= owners[module])
+        for module in owners
+    }
     late = {module: imports for module, imports in late.items() if imports}
     assert not late, f"modules importing modules of later (or the same) notebooks: {late}"
 
@@ -108,8 +118,10 @@ def test_a_module_imports_only_modules_of_notebooks_that_sort_before_it():
 def test_the_import_order_check_reads_every_form_of_import(tmp_path, monkeypatch):
     lib = tmp_path / "tutorial_lib"
     lib.mkdir()
-    (lib / "m.py").write_text("from .core import a\nfrom . import data\nimport tutorial_lib.train\n"
-                              "def f():\n    from tutorial_lib.bench import x\n    from tutorial_lib import stress\n")
+    (lib / "m.py").write_text(
+        "from .core import a\nfrom . import data\nimport tutorial_lib.train\n"
+        "def f():\n    from tutorial_lib.bench import x\n    from tutorial_lib import stress\n"
+    )
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert library_imports("m") == {"core", "data", "train", "bench", "stress"}
 
@@ -149,8 +161,11 @@ def test_committed_outputs_come_from_a_full_mode_run(nb_path):
 
 
 # Words of how this course is made, not of what it teaches: a learner reads every line.
-PROCESS_WORDS = re.compile(r"\b(the issue|issues? (asks?|says?)|acceptance|the lead|reviewers?|reviews?|closing note|"
-                           r"sessions? (of|time)|tickets?)\b", re.IGNORECASE)
+PROCESS_WORDS = re.compile(
+    r"\b(the issue|issues? (asks?|says?)|acceptance|the lead|reviewers?|reviews?|closing note|"
+    r"sessions? (of|time)|tickets?)\b",
+    re.IGNORECASE,
+)
 
 
 def learner_facing_texts() -> dict[str, str]:
@@ -158,8 +173,10 @@ def learner_facing_texts() -> dict[str, str]:
     texts = {"README.md": (ROOT / "README.md").read_text()}
     for nb_path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         for i, cell in enumerate(json.loads(nb_path.read_text())["cells"]):
-            outputs = [o.get("text", "") if isinstance(o.get("text", ""), str) else "".join(o["text"])
-                       for o in cell.get("outputs", [])]
+            outputs = [
+                o.get("text", "") if isinstance(o.get("text", ""), str) else "".join(o["text"])
+                for o in cell.get("outputs", [])
+            ]
             texts[f"{nb_path.name} cell {i}"] = "".join(cell["source"]) + "\n" + "\n".join(outputs)
     for module in sorted((ROOT / "tutorial_lib").glob("*.py")):
         if module.name != "_modidx.py":
@@ -185,11 +202,15 @@ def test_learner_facing_text_never_speaks_of_how_the_course_is_made():
 # A bar the course set itself, stated as a bar ("our target is 50 %", "the 2 % goal", "H200 (goal)"), where a
 # learner needs the reason for a number or to know it is an estimate; the course's own CI; and test files cited
 # as evidence in place of a cell that shows it. A CI job of the learner's is fine, and so is a target accuracy.
-BAR_WORDS = re.compile(r"\bour\s+(targets?|goals?|bars?)\b|\bgoals?\s+(is|are|was)\b(?:[^.\n]|\n(?!\n)){0,30}?\d"
-                       r"|\b\d[\d.,]*\s?(%|×|x|img/s)\s(targets?|goals?)\b|(?<![\w.])\((targets?|goals?)\)", re.IGNORECASE)
+BAR_WORDS = re.compile(
+    r"\bour\s+(targets?|goals?|bars?)\b|\bgoals?\s+(is|are|was)\b(?:[^.\n]|\n(?!\n)){0,30}?\d"
+    r"|\b\d[\d.,]*\s?(%|×|x|img/s)\s(targets?|goals?)\b|(?<![\w.])\((targets?|goals?)\)",
+    re.IGNORECASE,
+)
 CI_WORDS = re.compile(r"\bCI\b(?! jobs?\b)")
-TEST_FILE_WORDS = re.compile(r"\btests/test_\w+\.py\b|\b(the|our) tests (run|train|compare|check|pin|prove|show)s?\b",
-                             re.IGNORECASE)
+TEST_FILE_WORDS = re.compile(
+    r"\btests/test_\w+\.py\b|\b(the|our) tests (run|train|compare|check|pin|prove|show)s?\b", re.IGNORECASE
+)
 
 
 def course_voice_words(text: str, readme: bool = False) -> list[str]:
@@ -200,27 +221,52 @@ def course_voice_words(text: str, readme: bool = False) -> list[str]:
 
 
 def test_the_course_voice_check_finds_what_it_should_and_leaves_legitimate_uses_alone():
-    flagged = ["our target is 50 % validation top-1 in under three minutes", "Our target for one H200 is 4,000 img/s",
-               "The goal is a ratio ≤ 1.02 on CPU", "The goal is a ratio\n≤ 1.02", "that is within the 2 % goal, up to the noise",
-               '("H200 (goal)", "NVIDIA H200", 4_000)', "In smoke mode (CPU, CI) the same code runs",
-               "The notebook and CI use fork", "Tests and CI set it.", "`tests/test_parallel.py` runs this comparison",
-               "(The tests train from both forms and find bit-identical weights.)",
-               "the tests compare the two on the same devkit", "Taught in 02, tested in tests/test_parallel.py."]
+    flagged = [
+        "our target is 50 % validation top-1 in under three minutes",
+        "Our target for one H200 is 4,000 img/s",
+        "The goal is a ratio ≤ 1.02 on CPU",
+        "The goal is a ratio\n≤ 1.02",
+        "that is within the 2 % goal, up to the noise",
+        '("H200 (goal)", "NVIDIA H200", 4_000)',
+        "In smoke mode (CPU, CI) the same code runs",
+        "The notebook and CI use fork",
+        "Tests and CI set it.",
+        "`tests/test_parallel.py` runs this comparison",
+        "(The tests train from both forms and find bit-identical weights.)",
+        "the tests compare the two on the same devkit",
+        "Taught in 02, tested in tests/test_parallel.py.",
+    ]
     for text in flagged:
         assert course_voice_words(text), text
-    legitimate = ["the goal of warmup is to let the network settle", "the V1 recipe's target of 76.1 % top-1",
-                  "weight of the uniform distribution in the targets", "a link whose target is gone",
-                  "same recipe, same target", "Path(target).write_text(text)", "A questionnaire cannot run in a notebook, a CI job or a SLURM script",
-                  "(a batch job, a CI job, `| tee`)", "CIFAR-10 photos", "Run the whole test suite",
-                  "`WANDB_MODE=disabled` (what the tests set)", "the real photos committed with the tests",
-                  "the way the tests do", "shuffle=True on the test loader", "test-time flips"]
+    legitimate = [
+        "the goal of warmup is to let the network settle",
+        "the V1 recipe's target of 76.1 % top-1",
+        "weight of the uniform distribution in the targets",
+        "a link whose target is gone",
+        "same recipe, same target",
+        "Path(target).write_text(text)",
+        "A questionnaire cannot run in a notebook, a CI job or a SLURM script",
+        "(a batch job, a CI job, `| tee`)",
+        "CIFAR-10 photos",
+        "Run the whole test suite",
+        "`WANDB_MODE=disabled` (what the tests set)",
+        "the real photos committed with the tests",
+        "the way the tests do",
+        "shuffle=True on the test loader",
+        "test-time flips",
+    ]
     for text in legitimate:
         assert not course_voice_words(text), (text, course_voice_words(text))
     assert course_voice_words("our target is 2 %; CI runs tests/test_sync.py", readme=True) == ["our target"]
 
 
 def test_learner_facing_text_sets_no_bar_of_its_own_names_no_ci_and_cites_no_test_file():
-    found = {where: words for where, text in learner_facing_texts().items()
-             if (words := course_voice_words(text, readme=where == "README.md"))}
-    assert not found, ("give the reason for a number (or say it is an estimate), and show the evidence in a cell "
-                       f"instead of citing a test or CI: {found}")
+    found = {
+        where: words
+        for where, text in learner_facing_texts().items()
+        if (words := course_voice_words(text, readme=where == "README.md"))
+    }
+    assert not found, (
+        "give the reason for a number (or say it is an estimate), and show the evidence in a cell "
+        f"instead of citing a test or CI: {found}"
+    )

@@ -1,4 +1,5 @@
 """tutorial_lib.trackers: W&B's mode without the network, and an offline run read back from its files."""
+
 from pathlib import Path
 
 import pytest
@@ -33,10 +34,11 @@ def test_resolve_wandb_mode_is_online_with_a_netrc_entry(no_wandb_config, monkey
     assert resolve_wandb_mode() == "online"
 
 
-@pytest.mark.parametrize("explicit,expected", [("disabled", "disabled"), ("offline", "offline"),
-                                               ("ONLINE", "online"), ("dryrun", "offline")])
+@pytest.mark.parametrize(
+    "explicit,expected", [("disabled", "disabled"), ("offline", "offline"), ("ONLINE", "online"), ("dryrun", "offline")]
+)
 def test_resolve_wandb_mode_respects_an_explicit_wandb_mode(no_wandb_config, monkeypatch, explicit, expected):
-    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)       # an explicit mode beats a configured key
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)  # an explicit mode beats a configured key
     monkeypatch.setenv("WANDB_MODE", explicit)
     assert resolve_wandb_mode() == expected
 
@@ -49,14 +51,22 @@ def test_resolve_wandb_mode_refuses_an_unknown_mode(no_wandb_config, monkeypatch
 
 # --- an offline W&B run, written by the trackers of the training script and read back -------------------
 
+
 def log_offline(run_dir: Path, first_step: int, steps: int) -> str:
     """One start of a run's logging as the training script does it (`start_trackers` with a fixed run id)."""
     from accelerate import Accelerator
+
     from tutorial_lib.trackers import start_trackers
 
     accelerator = Accelerator(cpu=True, log_with="wandb", project_dir=str(run_dir))
-    mode = start_trackers(accelerator, "tests", config={"lr": 0.25, "model": "tinycnn"}, run_id="offlinetest",
-                          name="offline", run_dir=run_dir)
+    mode = start_trackers(
+        accelerator,
+        "tests",
+        config={"lr": 0.25, "model": "tinycnn"},
+        run_id="offlinetest",
+        name="offline",
+        run_dir=run_dir,
+    )
     for step in range(first_step, first_step + steps):
         accelerator.log({"loss": 1.0 / (step + 1), "epoch": step // 2}, step=step)
     accelerator.end_training()
@@ -85,8 +95,9 @@ def test_an_offline_wandb_run_and_its_resume_are_read_back_from_their_files(no_w
     assert runs[1]["summary"]["_step"] == 6
 
 
-def test_reading_an_offline_wandb_run_stops_at_a_torn_record_and_refuses_other_files(tmp_path, no_wandb_config,
-                                                                                        monkeypatch):
+def test_reading_an_offline_wandb_run_stops_at_a_torn_record_and_refuses_other_files(
+    tmp_path, no_wandb_config, monkeypatch
+):
     from tutorial_lib.trackers import read_wandb_offline_run
 
     monkeypatch.setenv("WANDB_MODE", "offline")

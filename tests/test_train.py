@@ -2,28 +2,37 @@
 
 The multi-process proofs (DDP, exact metric counts, schedule on 2 processes, simulated 2 machines)
 are in test_train_distributed.py."""
+
 import argparse
 import json
 import math
 import os
 import re
-import time
-from pathlib import Path
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from train_helpers import ROOT, TINY, as_flags, bitwise_equal, launch, max_weight_difference, weights
 
 from tutorial_lib.accel import read_metrics
-from tutorial_lib.sources import embedded_data_path
 from tutorial_lib.checkpoints import latest_checkpoint, list_checkpoints
 from tutorial_lib.cli import config_path
 from tutorial_lib.core import free_port
-from tutorial_lib.train import (RECIPE_V1, BadFlagError, build_training_scheduler, check_args, default_args,
-                                get_args_parser, resolve_learning_rate, train)
-from train_helpers import ROOT, TINY, as_flags, bitwise_equal, launch, max_weight_difference, weights
+from tutorial_lib.sources import embedded_data_path
+from tutorial_lib.train import (
+    RECIPE_V1,
+    BadFlagError,
+    build_training_scheduler,
+    check_args,
+    default_args,
+    get_args_parser,
+    resolve_learning_rate,
+    train,
+)
 
 pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
 
@@ -33,6 +42,7 @@ def run(tmp_path, name, **overrides) -> dict:
 
 
 # --- command line -------------------------------------------------------------------------------
+
 
 def test_defaults_are_the_torchvision_v1_recipe_and_the_embedded_data():
     args = get_args_parser().parse_args([])
@@ -49,6 +59,7 @@ def test_defaults_are_the_torchvision_v1_recipe_and_the_embedded_data():
 def test_min_crop_scale_reaches_the_training_crops_and_is_checked_where_declared(capsys):
     from tutorial_lib.loading import base_dataset
     from tutorial_lib.train import load_data
+
     train_ds, _ = load_data(default_args(**{**TINY, "min_crop_scale": 0.35}))
     assert base_dataset(train_ds).transform.scale == (0.35, 1.0)
     for bad in ["0", "1.5", "nan"]:
@@ -62,18 +73,42 @@ def test_help_says_batch_size_is_per_process_and_gives_the_global_batch_formula(
     text = get_args_parser().format_help()
     assert "PER PROCESS" in text
     assert "global batch = batch_size x gradient_accumulation_steps x num_processes" in text
-    for flag in ["--experiment_name", "--path_to_data", "--working_directory", "--epochs", "--save_checkpoint_interval",
-                 "--num_classes", "--batch_size", "--gradient_accumulation_steps", "--learning_rate", "--weight_decay",
-                 "--momentum", "--step_lr_decay", "--lr_step_size", "--lr_warmup_epochs", "--lr_warmup_start_factor",
-                 "--bias_weight_decay", "--norm_weight_decay", "--max_grad_norm", "--img_size", "--num_workers",
-                 "--resume_from_checkpoint", "--mixed_precision", "--model", "--lr_scheduler", "--label_smoothing",
-                 "--seed", "--log_with"]:
+    for flag in [
+        "--experiment_name",
+        "--path_to_data",
+        "--working_directory",
+        "--epochs",
+        "--save_checkpoint_interval",
+        "--num_classes",
+        "--batch_size",
+        "--gradient_accumulation_steps",
+        "--learning_rate",
+        "--weight_decay",
+        "--momentum",
+        "--step_lr_decay",
+        "--lr_step_size",
+        "--lr_warmup_epochs",
+        "--lr_warmup_start_factor",
+        "--bias_weight_decay",
+        "--norm_weight_decay",
+        "--max_grad_norm",
+        "--img_size",
+        "--num_workers",
+        "--resume_from_checkpoint",
+        "--mixed_precision",
+        "--model",
+        "--lr_scheduler",
+        "--label_smoothing",
+        "--seed",
+        "--log_with",
+    ]:
         assert flag in text, f"{flag} missing from --help"
 
 
 def test_module_entry_point_prints_help():
-    done = subprocess.run([sys.executable, "-m", "tutorial_lib.train", "--help"], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "tutorial_lib.train", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert "usage: tutorial-train" in done.stdout
 
@@ -81,10 +116,31 @@ def test_module_entry_point_prints_help():
 def test_console_script_exits_0_after_a_successful_run(tmp_path):
     # setuptools' wrapper does `sys.exit(main())`: anything main() returned would become the exit status.
     exe = Path(sys.executable).with_name("tutorial-train")
-    argv = [str(exe), "--model", "tinycnn", "--img_size", "16", "--epochs", "1", "--batch_size", "16",
-            "--max_train_samples", "32", "--max_val_samples", "16", "--num_workers", "0", "--cpu",
-            "--log_with", "none", "--disable_progress_bar", "--working_directory", str(tmp_path),
-            "--experiment_name", "console"]
+    argv = [
+        str(exe),
+        "--model",
+        "tinycnn",
+        "--img_size",
+        "16",
+        "--epochs",
+        "1",
+        "--batch_size",
+        "16",
+        "--max_train_samples",
+        "32",
+        "--max_val_samples",
+        "16",
+        "--num_workers",
+        "0",
+        "--cpu",
+        "--log_with",
+        "none",
+        "--disable_progress_bar",
+        "--working_directory",
+        str(tmp_path),
+        "--experiment_name",
+        "console",
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "console" / "model.safetensors").exists()
@@ -104,6 +160,7 @@ def test_bad_options_are_refused_with_a_message_naming_the_flag(tmp_path):
 
 
 # --- schedule -----------------------------------------------------------------------------------
+
 
 def lrs_of(args, steps_per_epoch: int) -> list[float]:
     """The LR of every optimizer step of `args`' schedule (on one process)."""
@@ -125,14 +182,20 @@ def test_every_warmup_flag_shapes_the_schedule(tmp_path):
     warm = lrs_of(default_args(epochs=4, lr_scheduler="cosine", learning_rate=0.1, lr_warmup_epochs=1), steps)
     assert plain[0] == pytest.approx(0.1) and warm[0] == pytest.approx(0.1 * 0.01)  # default start factor 0.01
     assert warm[steps] == pytest.approx(0.1)  # warmup lasts exactly --lr_warmup_epochs x steps per epoch
-    assert all(a < b for a, b in zip(warm[:steps], warm[1:steps + 1]))  # linear ramp
-    factor = lrs_of(default_args(epochs=4, lr_scheduler="cosine", learning_rate=0.1, lr_warmup_epochs=1,
-                                 lr_warmup_start_factor=0.25), steps)
+    assert all(a < b for a, b in zip(warm[:steps], warm[1 : steps + 1]))  # linear ramp
+    factor = lrs_of(
+        default_args(
+            epochs=4, lr_scheduler="cosine", learning_rate=0.1, lr_warmup_epochs=1, lr_warmup_start_factor=0.25
+        ),
+        steps,
+    )
     assert factor[0] == pytest.approx(0.025)
     half = lrs_of(default_args(epochs=4, lr_scheduler="cosine", learning_rate=0.1, lr_warmup_epochs=0.5), steps)
     assert half[5] == pytest.approx(0.1) and half[4] < 0.1  # fractional warmup epochs
     with pytest.raises(BadFlagError, match="--lr_warmup_epochs 2 covers the whole run"):  # before any data is read
-        check_args(resolve_learning_rate(default_args(epochs=2, lr_warmup_epochs=2, working_directory=str(tmp_path)), 1))
+        check_args(
+            resolve_learning_rate(default_args(epochs=2, lr_warmup_epochs=2, working_directory=str(tmp_path)), 1)
+        )
 
 
 def test_step_schedule_decays_every_lr_step_size_epochs():
@@ -148,11 +211,12 @@ def test_schedule_total_steps_and_final_lr_match_the_formula_on_one_process(tmp_
     result = run(tmp_path, f"sched{accumulation}", batch_size=8, gradient_accumulation_steps=accumulation)
     steps_per_epoch = math.ceil((80 // 8) / accumulation)  # 10 batches; the last window may be short
     assert result["optimizer_steps"] == result["scheduler_steps"] == 2 * steps_per_epoch
-    assert result["final_lr"] == pytest.approx(0.05 * 0.5 ** 2)  # step decay 0.5 per epoch, after 2 epochs
+    assert result["final_lr"] == pytest.approx(0.05 * 0.5**2)  # step decay 0.5 per epoch, after 2 epochs
     assert result["lr"] == pytest.approx(0.05 * 0.5)  # the LR the last optimizer step used
 
 
 # --- accumulation -------------------------------------------------------------------------------
+
 
 def test_accumulation_8x4_gives_the_same_weights_as_batch_32(tmp_path):
     options = dict(max_train_samples=64, epochs=2)  # 2 optimizer steps per epoch either way
@@ -166,16 +230,27 @@ def test_accumulation_8x4_gives_the_same_weights_as_batch_32(tmp_path):
 
 # --- outputs ------------------------------------------------------------------------------------
 
+
 def test_outputs_metrics_lines_and_checkpoint_rotation(tmp_path):
     result = run(tmp_path, "out", batch_size=8, epochs=3, keep_last_checkpoints=2, checkpoint_every_steps=4)
     run_dir = tmp_path / "out"
-    assert {"checkpoints", "metrics.jsonl", "model.safetensors", "config.json",
-            "final_metrics.json"} <= {p.name for p in run_dir.iterdir()}
+    assert {"checkpoints", "metrics.jsonl", "model.safetensors", "config.json", "final_metrics.json"} <= {
+        p.name for p in run_dir.iterdir()
+    }
     assert not (run_dir / "wandb_run_id.txt").exists(), "--log_with none: no W&B file"
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["epoch"] for r in rows] == [0, 1, 2]
     for row in rows:
-        assert {"epoch", "train_loss", "train_top1", "val_loss", "val_top1", "val_top5", "lr", "images_per_sec"} <= row.keys()
+        assert {
+            "epoch",
+            "train_loss",
+            "train_top1",
+            "val_loss",
+            "val_top1",
+            "val_top5",
+            "lr",
+            "images_per_sec",
+        } <= row.keys()
         assert row["train_count"] == 80 and row["val_count"] == 37 and row["images_per_sec"] > 0
     assert [r["step"] for r in rows] == [10, 20, 30]
     names = [p.name for p in list_checkpoints(run_dir)]
@@ -190,8 +265,13 @@ def test_outputs_metrics_lines_and_checkpoint_rotation(tmp_path):
 def test_shipped_accelerate_configs_and_slurm_script_are_valid():
     from accelerate.commands.config.config_args import load_config_from_file
 
-    expected = {"1gpu.yaml": (1, 1), "8gpus.yaml": (8, 1), "2nodes_8gpus.yaml": (16, 2), "cpu_2proc.yaml": (2, 1),
-                "fsdp_8gpus.yaml": (8, 1)}
+    expected = {
+        "1gpu.yaml": (1, 1),
+        "8gpus.yaml": (8, 1),
+        "2nodes_8gpus.yaml": (16, 2),
+        "cpu_2proc.yaml": (2, 1),
+        "fsdp_8gpus.yaml": (8, 1),
+    }
     for name, (processes, machines) in expected.items():
         config = load_config_from_file(str(config_path(name)))
         assert (config.num_processes, config.num_machines) == (processes, machines), name
@@ -199,7 +279,7 @@ def test_shipped_accelerate_configs_and_slurm_script_are_valid():
     slurm = config_path("slurm_2nodes_8gpus.sbatch")
     subprocess.run(["bash", "-n", str(slurm)], check=True)
     text = slurm.read_text()
-    assert "#SBATCH --nodes=2" in text and "--machine_rank \"$SLURM_NODEID\"" in text and "2nodes_8gpus.yaml" in text
+    assert "#SBATCH --nodes=2" in text and '--machine_rank "$SLURM_NODEID"' in text and "2nodes_8gpus.yaml" in text
     # a warning ahead of the time limit, passed on as SIGTERM (the script's polite stop), then a requeue
     assert "#SBATCH --signal=B:USR1@" in text and 'kill -TERM "$training"' in text and "scontrol requeue" in text
     assert "--checkpoint_every_steps" in text and "--resume_from_checkpoint latest" in text
@@ -209,8 +289,16 @@ def test_shipped_accelerate_configs_and_slurm_script_are_valid():
 
 # --- exact resume -------------------------------------------------------------------------------
 
-RESUME = dict(model="resnet18", img_size=32, batch_size=16, gradient_accumulation_steps=3, epochs=2,
-              max_train_samples=112, lr_scheduler="cosine", lr_warmup_epochs=0.5)
+RESUME = dict(
+    model="resnet18",
+    img_size=32,
+    batch_size=16,
+    gradient_accumulation_steps=3,
+    epochs=2,
+    max_train_samples=112,
+    lr_scheduler="cosine",
+    lr_warmup_epochs=0.5,
+)
 # 7 batches per epoch, accumulation 3: optimizer steps of 3, 3 and 1 micro-batches, 3 steps per epoch.
 
 
@@ -231,7 +319,9 @@ def test_stop_and_resume_gives_bitwise_identical_weights(tmp_path, straight_run,
     assert latest_checkpoint(tmp_path / "run").name == f"step_{stop_after_steps:09d}"
     resumed = run(tmp_path, "run", **RESUME, resume_from_checkpoint="latest", num_workers=workers)
     assert resumed["finished"] and resumed["optimizer_steps"] == straight["optimizer_steps"] == 6
-    assert bitwise_equal(weights(straight_dir), weights(tmp_path / "run")), f"weights differ after a stop at the {where}"
+    assert bitwise_equal(weights(straight_dir), weights(tmp_path / "run")), (
+        f"weights differ after a stop at the {where}"
+    )
     rows_straight = read_metrics(straight_dir / "metrics.jsonl")
     rows_resumed = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["epoch"] for r in rows_resumed] == [0, 1] and [r["step"] for r in rows_resumed] == [3, 6]
@@ -263,8 +353,12 @@ def test_resumed_run_continues_the_same_wandb_run_with_monotonic_steps(tmp_path,
 
 def test_onecycle_without_warmup_is_refused_with_the_flag_to_change(tmp_path):
     with pytest.raises(BadFlagError, match="--lr_warmup_epochs"):  # by the flag checks, before any data is read
-        check_args(resolve_learning_rate(default_args(epochs=2, lr_scheduler="onecycle", working_directory=str(tmp_path)), 1))
-    lrs = lrs_of(default_args(epochs=2, lr_scheduler="onecycle", lr_warmup_epochs=0.6, learning_rate=0.1), steps_per_epoch=5)
+        check_args(
+            resolve_learning_rate(default_args(epochs=2, lr_scheduler="onecycle", working_directory=str(tmp_path)), 1)
+        )
+    lrs = lrs_of(
+        default_args(epochs=2, lr_scheduler="onecycle", lr_warmup_epochs=0.6, learning_rate=0.1), steps_per_epoch=5
+    )
     assert max(lrs) == pytest.approx(0.1) and lrs.index(max(lrs)) == 3
 
 
@@ -290,31 +384,56 @@ def test_mid_epoch_resume_with_another_batch_size_is_refused(tmp_path):
 
 # --- the learning rate follows the global batch -----------------------------------------------------
 
-@pytest.mark.parametrize("batch_size, accumulation, processes, lr, warmup", [
-    (32, 1, 8, 0.1, 0.0), (32, 8, 1, 0.1, 0.0), (32, 1, 1, 0.0125, 0.0), (128, 1, 8, 0.4, 3.75), (8, 3, 2, 0.01875, 0.0),
-])
+
+@pytest.mark.parametrize(
+    "batch_size, accumulation, processes, lr, warmup",
+    [
+        (32, 1, 8, 0.1, 0.0),
+        (32, 8, 1, 0.1, 0.0),
+        (32, 1, 1, 0.0125, 0.0),
+        (128, 1, 8, 0.4, 3.75),
+        (8, 3, 2, 0.01875, 0.0),
+    ],
+)
 def test_default_learning_rate_and_warmup_follow_the_global_batch(batch_size, accumulation, processes, lr, warmup):
-    args = resolve_learning_rate(default_args(batch_size=batch_size, gradient_accumulation_steps=accumulation), processes)
+    args = resolve_learning_rate(
+        default_args(batch_size=batch_size, gradient_accumulation_steps=accumulation), processes
+    )
     assert args.learning_rate == pytest.approx(lr, rel=1e-12) and args.lr_warmup_epochs == warmup
-    explicit = resolve_learning_rate(default_args(batch_size=batch_size, learning_rate=0.3, lr_warmup_epochs=1), processes)
+    explicit = resolve_learning_rate(
+        default_args(batch_size=batch_size, learning_rate=0.3, lr_warmup_epochs=1), processes
+    )
     assert (explicit.learning_rate, explicit.lr_warmup_epochs) == (0.3, 1), "explicit values win"
 
 
 def test_the_v1_defaults_at_global_batch_256_are_torchvisions_recipe():
     args = resolve_learning_rate(default_args(), num_processes=8)
-    assert (args.batch_size, args.learning_rate, args.lr_warmup_epochs, args.momentum, args.weight_decay) == \
-           (32, 0.1, 0.0, 0.9, 1e-4)
+    assert (args.batch_size, args.learning_rate, args.lr_warmup_epochs, args.momentum, args.weight_decay) == (
+        32,
+        0.1,
+        0.0,
+        0.9,
+        1e-4,
+    )
     assert (args.lr_scheduler, args.lr_step_size, args.step_lr_decay, args.epochs) == ("step", 30, 0.1, 90)
 
 
 @pytest.mark.parametrize("processes, accumulation", [(1, 1), (1, 3), (2, 1), (2, 3)])
 def test_the_run_prints_and_records_the_scaled_learning_rate(tmp_path, processes, accumulation):
-    options = {**TINY, "batch_size": 8, "gradient_accumulation_steps": accumulation, "epochs": 1,
-               "working_directory": str(tmp_path), "experiment_name": "lr", "learning_rate": None}
+    options = {
+        **TINY,
+        "batch_size": 8,
+        "gradient_accumulation_steps": accumulation,
+        "epochs": 1,
+        "working_directory": str(tmp_path),
+        "experiment_name": "lr",
+        "learning_rate": None,
+    }
     global_batch = 8 * accumulation * processes
     if processes == 1:
         import contextlib
         import io
+
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             train(default_args(**options))
@@ -324,27 +443,47 @@ def test_the_run_prints_and_records_the_scaled_learning_rate(tmp_path, processes
     expected = 0.1 * global_batch / 256
     assert f"lr {expected:.4g} = 0.1 x {global_batch} / 256" in out, out[-2000:]
     config = json.loads((tmp_path / "lr" / "config.json").read_text())
-    assert config["learning_rate"] == pytest.approx(expected) and (config["lr_base"], config["lr_base_batch"]) == (0.1, 256)
+    assert config["learning_rate"] == pytest.approx(expected) and (config["lr_base"], config["lr_base_batch"]) == (
+        0.1,
+        256,
+    )
     assert config["lr_rule"].startswith(f"lr {expected:.4g} = 0.1 x {global_batch} / 256")
 
 
 # --- the first hour: launches and outputs say what happens ---------------------------------------------
 
+
 def run_cli_process(tmp_path, argv, env_extra=None, launcher=None, umask=None, timeout=300):
     """Run the training command line (or an `accelerate launch` of it) with stdout and stderr to files, as a
     batch job would; returns (exit code, stdout, stderr)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", **(env_extra or {})}
-    cmd = [sys.executable, "-m", *(launcher or []), *(["-m"] if launcher else []), "tutorial_lib.train", *argv] \
-        if launcher else [sys.executable, "-m", "tutorial_lib.train", *argv]
+    cmd = (
+        [sys.executable, "-m", *(launcher or []), *(["-m"] if launcher else []), "tutorial_lib.train", *argv]
+        if launcher
+        else [sys.executable, "-m", "tutorial_lib.train", *argv]
+    )
     with open(tmp_path / "out.log", "w") as out, open(tmp_path / "err.log", "w") as err:
-        done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, timeout=timeout,
-                              preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
+        done = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=err,
+            timeout=timeout,
+            preexec_fn=(lambda: os.umask(umask)) if umask is not None else None,
+        )
     return done.returncode, (tmp_path / "out.log").read_text(), (tmp_path / "err.log").read_text()
 
 
 def tiny_flags(tmp_path, name="first", **extra):
-    options = {**TINY, "epochs": 2, "batch_size": 16, "working_directory": str(tmp_path / "runs"),
-               "experiment_name": name, **extra}
+    options = {
+        **TINY,
+        "epochs": 2,
+        "batch_size": 16,
+        "working_directory": str(tmp_path / "runs"),
+        "experiment_name": name,
+        **extra,
+    }
     options.pop("disable_progress_bar")  # the progress display is part of what is checked
     return as_flags(options)
 
@@ -390,8 +529,9 @@ def test_help_shows_every_default_and_costs_little_more_than_importing_torch(tmp
     subprocess.run([sys.executable, "-c", "import torch"], check=True, cwd=ROOT)
     torch_s = time.perf_counter() - start
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "tutorial_lib.train", "--help"], capture_output=True, text=True,
-                          cwd=ROOT, check=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "tutorial_lib.train", "--help"], capture_output=True, text=True, cwd=ROOT, check=True
+    )
     help_s = time.perf_counter() - start
     assert help_s < 1.5 * torch_s + 1.0, f"--help took {help_s:.1f} s, importing torch {torch_s:.1f} s"
     blocks, text = {}, done.stdout  # one block per option: its line and the wrapped lines of its help below
@@ -399,8 +539,11 @@ def test_help_shows_every_default_and_costs_little_more_than_importing_torch(tmp
         block = " ".join(block.split())
         if block.startswith("-"):
             blocks[block.split()[0].rstrip(",")] = block
-    options = [a.option_strings[-1] for a in get_args_parser()._actions
-               if a.option_strings and a.help != argparse.SUPPRESS and a.dest != "help"]
+    options = [
+        a.option_strings[-1]
+        for a in get_args_parser()._actions
+        if a.option_strings and a.help != argparse.SUPPRESS and a.dest != "help"
+    ]
     assert options and set(options) <= set(blocks), sorted(set(options) - set(blocks))
     assert all("(default:" in blocks[o] for o in options), [o for o in options if "(default:" not in blocks[o]]
     assert "--inject_nan_at_steps" not in text, "a testing hook is not for users"
@@ -409,9 +552,10 @@ def test_help_shows_every_default_and_costs_little_more_than_importing_torch(tmp
 def test_readme_quick_start_command_parses_with_the_script_flags():
     """The README's quick start is copied by every newcomer: each of its flags must exist and parse."""
     import shlex
+
     readme = (ROOT / "README.md").read_text()
-    block = readme[readme.index("tutorial-train --cpu"):]
-    command = block[:block.index("```")].replace("\\\n", " ")
+    block = readme[readme.index("tutorial-train --cpu") :]
+    command = block[: block.index("```")].replace("\\\n", " ")
     args = get_args_parser(exit_on_error=False).parse_args(shlex.split(command)[1:])
     assert (args.model, args.img_size, args.min_crop_scale, args.zero_init_residual) == ("resnet18", 32, 0.5, True)
     assert args.cpu and args.log_with == ["none"]

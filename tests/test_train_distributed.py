@@ -4,6 +4,7 @@ counts, the schedule, and two simulated machines on loopback.
 Every run trains `tinycnn` (no BatchNorm) on 80 embedded images for 2 epochs with the same seed.
 The sampler is seeded by (seed, epoch) and every image's augmentation by (seed, epoch, index), so
 2 processes x batch 8 see exactly the samples of 1 process x batch 16 at every optimizer step."""
+
 import json
 import math
 import os
@@ -11,11 +12,11 @@ import subprocess
 import sys
 
 import pytest
+from train_helpers import ROOT, TINY, as_flags, bitwise_equal, launch, max_weight_difference, weights
 
 from tutorial_lib.accel import read_metrics
 from tutorial_lib.core import free_port
 from tutorial_lib.train import default_args, train
-from train_helpers import ROOT, TINY, as_flags, bitwise_equal, launch, max_weight_difference, weights
 
 pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
 
@@ -32,11 +33,29 @@ def runs(tmp_path_factory):
 
     # Two "machines" of one process each, rendezvous on 127.0.0.1: machine 1 in the background
     port = str(free_port())
-    node = ["--multi_gpu", "--num_machines", "2", "--num_processes", "2", "--main_process_ip", "127.0.0.1",
-            "--main_process_port", port]
+    node = [
+        "--multi_gpu",
+        "--num_machines",
+        "2",
+        "--num_processes",
+        "2",
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        port,
+    ]
     options = {**common, "batch_size": 8, "experiment_name": "two_machines"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *node, "--machine_rank", "1",
-           "-m", "tutorial_lib.train", *as_flags(options)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *node,
+        "--machine_rank",
+        "1",
+        "-m",
+        "tutorial_lib.train",
+        *as_flags(options),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     machine1 = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -80,20 +99,42 @@ def test_metrics_count_every_sample_exactly_once_on_two_processes(runs):
 
 def test_schedule_total_steps_and_final_lr_match_the_formula(runs, tmp_path):
     """Optimizer steps = epochs x ceil((len(train_loader) // processes) / accumulation), one scheduler step each."""
+
     def check(result, processes, accumulation, batch_size=8):
         batches = (80 // batch_size) // processes  # len(train_loader) after prepare
         steps = 2 * math.ceil(batches / accumulation)
-        assert (result["num_processes"], result["optimizer_steps"], result["scheduler_steps"]) == (processes, steps, steps)
-        assert result["final_lr"] == pytest.approx(0.05 * 0.5 ** 2)  # step decay 0.5 per epoch, 2 epochs
+        assert (result["num_processes"], result["optimizer_steps"], result["scheduler_steps"]) == (
+            processes,
+            steps,
+            steps,
+        )
+        assert result["final_lr"] == pytest.approx(0.05 * 0.5**2)  # step decay 0.5 per epoch, 2 epochs
         assert result["lr"] == pytest.approx(0.05 * 0.5)  # the last optimizer step ran in epoch 1
 
     check(final_metrics(runs["tmp"] / "ddp"), processes=2, accumulation=ACCUMULATION)
-    launch({**TINY, "working_directory": str(tmp_path), "experiment_name": "acc1", "batch_size": 8,
-            "gradient_accumulation_steps": 1}, num_processes=2)
+    launch(
+        {
+            **TINY,
+            "working_directory": str(tmp_path),
+            "experiment_name": "acc1",
+            "batch_size": 8,
+            "gradient_accumulation_steps": 1,
+        },
+        num_processes=2,
+    )
     check(final_metrics(tmp_path / "acc1"), processes=2, accumulation=1)
     for accumulation in (1, 3):  # and the same on one process
-        one = train(default_args(**{**TINY, "working_directory": str(tmp_path), "experiment_name": f"one{accumulation}",
-                                   "batch_size": 8, "gradient_accumulation_steps": accumulation}))
+        one = train(
+            default_args(
+                **{
+                    **TINY,
+                    "working_directory": str(tmp_path),
+                    "experiment_name": f"one{accumulation}",
+                    "batch_size": 8,
+                    "gradient_accumulation_steps": accumulation,
+                }
+            )
+        )
         check(one, processes=1, accumulation=accumulation)
 
 

@@ -3,6 +3,7 @@ by notebook 08a, section 5, and measured in notebook 10).
 
 Each switch is off by default, runs on CPU, and changes what it should; every epoch's row in
 metrics.jsonl carries the StepTimer numbers."""
+
 import json
 
 import pytest
@@ -17,9 +18,20 @@ from tutorial_lib.transforms import progressive_resolution
 
 pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
 
-BASE = dict(model="tinycnn", img_size=16, epochs=2, batch_size=16, num_workers=0, cpu=True, log_with="none",
-            disable_progress_bar=True, max_train_samples=64, max_val_samples=32, learning_rate=0.05,
-            lr_scheduler="constant")
+BASE = dict(
+    model="tinycnn",
+    img_size=16,
+    epochs=2,
+    batch_size=16,
+    num_workers=0,
+    cpu=True,
+    log_with="none",
+    disable_progress_bar=True,
+    max_train_samples=64,
+    max_val_samples=32,
+    learning_rate=0.05,
+    lr_scheduler="constant",
+)
 
 
 def run(tmp_path, name, **options):
@@ -40,8 +52,13 @@ def spy(monkeypatch):
         def hook(module, args):
             x = args[0]
             if module is seen["model"] and x.device.type != "meta":  # not the EMA's copy, nor check_args' shape probe
-                seen["calls"].append((module.training, tuple(x.shape[-2:]),
-                                      x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()))
+                seen["calls"].append(
+                    (
+                        module.training,
+                        tuple(x.shape[-2:]),
+                        x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous(),
+                    )
+                )
 
         model.register_forward_pre_hook(hook)
         seen["model"] = model
@@ -98,8 +115,11 @@ def test_compile_trains_through_torch_compile_and_checkpoints_the_plain_weights(
     for a, b in zip(plain, rows, strict=True):
         assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-4)
     from safetensors.torch import load_file
-    assert load_file(tmp_path / "compiled" / "model.safetensors").keys() == \
-        load_file(tmp_path / "plain" / "model.safetensors").keys(), "no _orig_mod. prefix in saved weights"
+
+    assert (
+        load_file(tmp_path / "compiled" / "model.safetensors").keys()
+        == load_file(tmp_path / "plain" / "model.safetensors").keys()
+    ), "no _orig_mod. prefix in saved weights"
 
 
 def test_label_smoothing_changes_the_training_and_validation_loss(tmp_path):
@@ -140,13 +160,16 @@ def test_progressive_resizing_trains_at_the_schedule_and_evaluates_at_val_img_si
         assert r["mfu"] == pytest.approx(ips * flops[r["train_res"]] / 0.01e12, rel=1e-6)
 
 
-@pytest.mark.parametrize("options, flag", [
-    (dict(min_res=8), "--min_res"),
-    (dict(min_res=32, max_res=16, end_ramp=1), "--min_res"),
-    (dict(ema_decay=1.0), "--ema_decay"),
-    (dict(val_img_size=0), "--val_img_size"),
-    (dict(peak_tflops=-1.0), "--peak_tflops"),
-])
+@pytest.mark.parametrize(
+    "options, flag",
+    [
+        (dict(min_res=8), "--min_res"),
+        (dict(min_res=32, max_res=16, end_ramp=1), "--min_res"),
+        (dict(ema_decay=1.0), "--ema_decay"),
+        (dict(val_img_size=0), "--val_img_size"),
+        (dict(peak_tflops=-1.0), "--peak_tflops"),
+    ],
+)
 def test_impossible_switch_values_are_refused_naming_the_flag(tmp_path, options, flag):
     with pytest.raises(T.BadFlagError, match=flag):
         run(tmp_path, "bad", **options)

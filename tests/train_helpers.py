@@ -2,6 +2,7 @@
 
 Runs are small: `tinycnn` (no BatchNorm) or `resnet18` at 16-32 px on a seeded subset of the
 embedded dataset, which is committed with the package (no download, no shared data)."""
+
 from __future__ import annotations
 
 import os
@@ -18,9 +19,23 @@ from tutorial_lib.core import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 # 80 training images: 10 batches of 8 or 5 batches of 16; 37 validation images divide by nothing.
-TINY = dict(model="tinycnn", img_size=16, epochs=2, learning_rate=0.05, momentum=0.9, weight_decay=1e-4,
-            lr_scheduler="step", lr_step_size=1, step_lr_decay=0.5, num_workers=0, cpu=True,
-            max_train_samples=80, max_val_samples=37, disable_progress_bar=True, log_with="none")
+TINY = dict(
+    model="tinycnn",
+    img_size=16,
+    epochs=2,
+    learning_rate=0.05,
+    momentum=0.9,
+    weight_decay=1e-4,
+    lr_scheduler="step",
+    lr_step_size=1,
+    step_lr_decay=0.5,
+    num_workers=0,
+    cpu=True,
+    max_train_samples=80,
+    max_val_samples=37,
+    disable_progress_bar=True,
+    log_with="none",
+)
 
 
 def launch(options: dict, num_processes: int = 2, launcher: list[str] | None = None, timeout: int = 240) -> str:
@@ -28,10 +43,22 @@ def launch(options: dict, num_processes: int = 2, launcher: list[str] | None = N
 
     `--multi_gpu` is accelerate's torchrun launcher; `--cpu` (passed to the script) makes the
     processes join a gloo group. `accelerate launch --cpu` would start a single process."""
-    launcher = launcher or ["--multi_gpu", "--num_processes", str(num_processes),
-                            "--main_process_port", str(free_port())]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher, "-m", "tutorial_lib.train",
-           *as_flags(options)]
+    launcher = launcher or [
+        "--multi_gpu",
+        "--num_processes",
+        str(num_processes),
+        "--main_process_port",
+        str(free_port()),
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *launcher,
+        "-m",
+        "tutorial_lib.train",
+        *as_flags(options),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"launch failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
@@ -65,6 +92,9 @@ def assert_user_error(result, message: str, code: int = 2) -> None:
     """A refused input (`result`: a `tutorial_lib.stress.CliResult`): exit `code`, exactly one line
     `tutorial-train: error: <message>` on stderr, no traceback."""
     assert not result.has_traceback, f"a traceback was printed:\n{result.stderr[-2000:]}"
-    assert result.returncode == code, f"exit code {result.returncode}, expected {code}; stderr:\n{result.stderr[-2000:]}"
-    assert result.stderr_lines == [f"tutorial-train: error: {message}"], \
+    assert result.returncode == code, (
+        f"exit code {result.returncode}, expected {code}; stderr:\n{result.stderr[-2000:]}"
+    )
+    assert result.stderr_lines == [f"tutorial-train: error: {message}"], (
         f"stderr should be one line\n  tutorial-train: error: {message}\ngot:\n" + "\n".join(result.stderr_lines)
+    )

@@ -90,8 +90,10 @@ def format_metrics_table(rows: list[dict]) -> str:
     head = f"{'epoch':>5} {'train_loss':>10} {'train_top1':>10} {'val_loss':>9} {'val_top1':>8} {'val_top5':>8} {'lr':>9} {'img/s':>8} (all processes)"
     lines = [head]
     for r in rows:
-        lines.append(f"{r['epoch']:>5} {r['train_loss']:>10.4f} {r['train_top1']:>9.2f}% {r['val_loss']:>9.4f} "
-                     f"{r['val_top1']:>7.2f}% {r['val_top5']:>7.2f}% {r['lr']:>9.3g} {r['images_per_sec']:>8.1f}")
+        lines.append(
+            f"{r['epoch']:>5} {r['train_loss']:>10.4f} {r['train_top1']:>9.2f}% {r['val_loss']:>9.4f} "
+            f"{r['val_top1']:>7.2f}% {r['val_top5']:>7.2f}% {r['lr']:>9.3g} {r['images_per_sec']:>8.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -99,8 +101,10 @@ def _to_jsonable(value: Any) -> Any:
     """Turn tensors, NumPy scalars and paths into plain JSON values."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise TypeError(f"MetricsLogger logs scalars; got a tensor of shape {tuple(value.shape)}. "
-                            "Reduce it (e.g. .mean()) or convert it with .tolist() first.")
+            raise TypeError(
+                f"MetricsLogger logs scalars; got a tensor of shape {tuple(value.shape)}. "
+                "Reduce it (e.g. .mean()) or convert it with .tolist() first."
+            )
         return value.item()
     if hasattr(value, "item") and not isinstance(value, (str, bytes)):
         return value.item()
@@ -132,20 +136,32 @@ def _refuse_what_cannot_work(accelerator, asked_cpu: bool) -> None:
     """`build_accelerator`'s checks of the `Accelerator` it built: fp16 on a CPU and launched processes that are not
     connected are refused; a CPU run that did not ask for the CPU is said."""
     if accelerator.device.type == "cpu" and accelerator.mixed_precision == "fp16":
-        raise LaunchError("--mixed_precision fp16 needs a GPU: on a CPU Accelerate has no fp16 autocast and would "
-                          "silently train in fp32; use --mixed_precision bf16 or no")
+        raise LaunchError(
+            "--mixed_precision fp16 needs a GPU: on a CPU Accelerate has no fp16 autocast and would "
+            "silently train in fp32; use --mixed_precision bf16 or no"
+        )
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > accelerator.num_processes:  # e.g. `accelerate launch --multi_gpu` on a CPU box without --cpu
-        raise LaunchError(f"{launched} processes were launched but they are not connected (each sees "
-                          f"{accelerator.num_processes}); on a machine without GPUs pass --cpu to the script")
+        raise LaunchError(
+            f"{launched} processes were launched but they are not connected (each sees "
+            f"{accelerator.num_processes}); on a machine without GPUs pass --cpu to the script"
+        )
     if accelerator.device.type == "cpu" and not asked_cpu:  # a GPU config, or nothing said, on a machine without one
         precision = "" if accelerator.mixed_precision == "no" else f" in {accelerator.mixed_precision}"
-        accelerator.print(f"note: no GPU found: training on the CPU{precision}, many times slower than on a GPU; "
-                          "pass --cpu to say that this is what you want", flush=True)
+        accelerator.print(
+            f"note: no GPU found: training on the CPU{precision}, many times slower than on a GPU; "
+            "pass --cpu to say that this is what you want",
+            flush=True,
+        )
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #0581ab50
-def build_accelerator(cpu: bool = False, mixed_precision: str | None = None, gradient_accumulation_steps: int = 1,
-                      log_with: list[str] | None = None, project_dir: str | os.PathLike | None = None):
+def build_accelerator(
+    cpu: bool = False,
+    mixed_precision: str | None = None,
+    gradient_accumulation_steps: int = 1,
+    log_with: list[str] | None = None,
+    project_dir: str | os.PathLike | None = None,
+):
     """The `Accelerator` of a training run (08a, and 10a's benchmark of its step).
 
     Forgets a previous `Accelerator` of this process first (several runs in one notebook). Steps the
@@ -159,17 +175,24 @@ def build_accelerator(cpu: bool = False, mixed_precision: str | None = None, gra
 
     asked_cpu = cpu or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
     if asked_cpu and "MASTER_ADDR" in os.environ and "WORLD_SIZE" not in os.environ:
-        raise LaunchError("`accelerate launch --cpu --num_processes N` starts one process, not N (more need mpirun); "
-                          "for N CPU processes run `accelerate launch --multi_gpu --num_processes N -m tutorial_lib.train "
-                          "--cpu ...`, or `accelerate launch --config_file tutorial_lib/configs/cpu_2proc.yaml ...` for 2")
+        raise LaunchError(
+            "`accelerate launch --cpu --num_processes N` starts one process, not N (more need mpirun); "
+            "for N CPU processes run `accelerate launch --multi_gpu --num_processes N -m tutorial_lib.train "
+            "--cpu ...`, or `accelerate launch --config_file tutorial_lib/configs/cpu_2proc.yaml ...` for 2"
+        )
     AcceleratorState._reset_state(reset_partial_state=False)  # keeps the process group of a launched process
     GradientState._reset_state()
     accelerator = Accelerator(
-        cpu=cpu, mixed_precision=mixed_precision,  # None: what `accelerate config`/launch says, else fp32
+        cpu=cpu,
+        mixed_precision=mixed_precision,  # None: what `accelerate config`/launch says, else fp32
         gradient_accumulation_steps=gradient_accumulation_steps,
         step_scheduler_with_optimizer=False,  # the training script steps it once per optimizer step
-        log_with=log_with, project_config=ProjectConfiguration(  # TensorBoard writes under <run>/tensorboard
-            project_dir=str(project_dir), logging_dir=str(Path(project_dir) / "tensorboard")) if project_dir else None,
+        log_with=log_with,
+        project_config=ProjectConfiguration(  # TensorBoard writes under <run>/tensorboard
+            project_dir=str(project_dir), logging_dir=str(Path(project_dir) / "tensorboard")
+        )
+        if project_dir
+        else None,
         # a blocking copy would wait for the whole previous step: the GPU would idle while Python fetches the batch
         dataloader_config=DataLoaderConfiguration(non_blocking=overlapping_copies(cpu)),
     )
@@ -207,7 +230,12 @@ def _classification_sums_metric() -> type:
             self.count += labels.shape[0]
 
         def compute(self) -> dict:
-            return {"loss_sum": self.loss_sum, "count": self.count, "correct1": self.correct1, "correctk": self.correctk}
+            return {
+                "loss_sum": self.loss_sum,
+                "count": self.count,
+                "correct1": self.correct1,
+                "correctk": self.correctk,
+            }
 
     return ClassificationSums
 
@@ -261,27 +289,32 @@ class ClassificationMetrics:
             raise ValueError(f"num_classes must be an integer >= 2, got {num_classes!r}")
         self.num_classes, self.device = int(num_classes), torch.device(device)
         self.top_k = min(5, self.num_classes)
-        loss_dtype = torch.float32 if self.device.type == "mps" else torch.float64   # MPS has no float64
-        self.sums = _classification_sums_metric()(self.top_k, loss_dtype, sync_on_compute=sync_on_compute).to(self.device)
+        loss_dtype = torch.float32 if self.device.type == "mps" else torch.float64  # MPS has no float64
+        self.sums = _classification_sums_metric()(self.top_k, loss_dtype, sync_on_compute=sync_on_compute).to(
+            self.device
+        )
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor | float | None = None) -> None:
         """Add a batch: `logits` (B, C), `labels` (B,), `loss` per sample (B,), exact, or the batch mean."""
         self.sums.update(*_checked_batch(logits, labels, loss, self.num_classes, self.device))
 
-    def gather_update(self, accelerator, logits: torch.Tensor, labels: torch.Tensor,
-                      loss: torch.Tensor | None = None) -> None:
+    def gather_update(
+        self, accelerator, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor | None = None
+    ) -> None:
         """`gather_batch`, then `update`: call it on every process, in the loop over the prepared dataloader."""
         if not getattr(accelerator, "even_batches", True):
-            raise ValueError("gather_update needs equally sized batches on every process (accelerate's default "
-                             "even_batches=True). With even_batches=False use ClassificationMetrics(..., "
-                             "sync_on_compute=True) and call update() with this process's own batches.")
+            raise ValueError(
+                "gather_update needs equally sized batches on every process (accelerate's default "
+                "even_batches=True). With even_batches=False use ClassificationMetrics(..., "
+                "sync_on_compute=True) and call update() with this process's own batches."
+            )
         logits, labels, loss = gather_batch(accelerator, logits, labels, loss)
         if labels.numel():
             self.update(logits, labels, loss)
 
     def compute(self) -> dict:
         """`{"loss", "top1", "top5", "count"}`: mean loss, accuracies in %, samples seen (int)."""
-        with warnings.catch_warnings():   # an empty epoch is reported as NaN, not warned about
+        with warnings.catch_warnings():  # an empty epoch is reported as NaN, not warned about
             warnings.filterwarnings("ignore", message=".*compute.*called before.*update", category=UserWarning)
             return _rates(self.sums.compute())
 
@@ -295,8 +328,12 @@ def _rates(state: dict) -> dict:
     count = int(state["count"])
     if count == 0:
         return {"loss": float("nan"), "top1": float("nan"), "top5": float("nan"), "count": 0}
-    return {"loss": float(state["loss_sum"]) / count, "top1": 100.0 * int(state["correct1"]) / count,
-            "top5": 100.0 * int(state["correctk"]) / count, "count": count}
+    return {
+        "loss": float(state["loss_sum"]) / count,
+        "top1": 100.0 * int(state["correct1"]) / count,
+        "top5": 100.0 * int(state["correctk"]) / count,
+        "count": count,
+    }
 
 
 def merge_metrics(a: dict, b: dict) -> dict:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -53,8 +53,10 @@ def accumulation_steps_for(target_global_batch: int, batch_size: int, num_proces
     Used in 01 to reach the recipe's global batch with the micro-batch that fits in memory."""
     per_step = global_batch_size(batch_size, 1, num_processes)
     if target_global_batch % per_step:
-        raise ValueError(f"target_global_batch={target_global_batch} is not a multiple of batch_size × num_processes "
-                         f"= {per_step}; pick a batch_size (or process count) that divides it")
+        raise ValueError(
+            f"target_global_batch={target_global_batch} is not a multiple of batch_size × num_processes "
+            f"= {per_step}; pick a batch_size (or process count) that divides it"
+        )
     return target_global_batch // per_step
 
 # %% ../notebooks/01_gradient_accumulation.ipynb #4803a271
@@ -68,16 +70,27 @@ def make_toy_cnn(norm: str = "none", num_classes: int = 10, width: int = 16, see
         raise ValueError(f"norm must be one of {sorted(norms)}, got {norm!r}")
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Conv2d(3, width, 3, padding=1), norms[norm](width), nn.ReLU(),
-        nn.Conv2d(width, width, 3, stride=2, padding=1), norms[norm](width), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes))
+        nn.Conv2d(3, width, 3, padding=1),
+        norms[norm](width),
+        nn.ReLU(),
+        nn.Conv2d(width, width, 3, stride=2, padding=1),
+        norms[norm](width),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(width, num_classes),
+    )
 
 
-def toy_batch(batch_size: int, img_size: int = 16, num_classes: int = 10, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def toy_batch(
+    batch_size: int, img_size: int = 16, num_classes: int = 10, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A reproducible batch of random images and labels for `make_toy_cnn`."""
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(batch_size, 3, img_size, img_size, generator=g),
-            torch.randint(0, num_classes, (batch_size,), generator=g))
+    return (
+        torch.randn(batch_size, 3, img_size, img_size, generator=g),
+        torch.randint(0, num_classes, (batch_size,), generator=g),
+    )
 
 
 class TinyCNN(nn.Sequential):
@@ -88,25 +101,36 @@ class TinyCNN(nn.Sequential):
 
     def __init__(self, num_classes: int = 10, width: int = 16):
         super().__init__(
-            nn.Conv2d(3, width, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-            nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-            nn.Conv2d(2 * width, 4 * width, 3, padding=1), nn.ReLU(inplace=True),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * width, num_classes),
+            nn.Conv2d(3, width, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(2 * width, 4 * width, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(4 * width, num_classes),
         )
 
 # %% ../notebooks/01_gradient_accumulation.ipynb #47a9d55c
-def split_micro_batches(inputs: torch.Tensor, targets: torch.Tensor,
-                        gradient_accumulation_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def split_micro_batches(
+    inputs: torch.Tensor, targets: torch.Tensor, gradient_accumulation_steps: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Cut a batch into `gradient_accumulation_steps` equal, consecutive micro-batches (01)."""
     k, n = gradient_accumulation_steps, inputs.shape[0]
     if k < 1 or n % k:
-        raise ValueError(f"a batch of {n} samples cannot be cut into {k} equal micro-batches; "
-                         "choose gradient_accumulation_steps that divides the batch size")
+        raise ValueError(
+            f"a batch of {n} samples cannot be cut into {k} equal micro-batches; "
+            "choose gradient_accumulation_steps that divides the batch size"
+        )
     return list(zip(inputs.chunk(k), targets.chunk(k)))
 
 
-def accumulate_gradients(model: nn.Module, loss_fn: Callable, inputs: torch.Tensor, targets: torch.Tensor,
-                         gradient_accumulation_steps: int) -> float:
+def accumulate_gradients(
+    model: nn.Module, loss_fn: Callable, inputs: torch.Tensor, targets: torch.Tensor, gradient_accumulation_steps: int
+) -> float:
     """Plain-PyTorch accumulation: add to `.grad` the gradient of the mean loss over the whole batch,
     computed one micro-batch at a time (loss / k per micro-batch). Returns the batch's mean loss.
 
@@ -114,9 +138,9 @@ def accumulate_gradients(model: nn.Module, loss_fn: Callable, inputs: torch.Tens
     optimizer step. Taught in 01; the training script does the same through Accelerate."""
     k = gradient_accumulation_steps
     total = 0.0
-    for x, y in split_micro_batches(inputs, targets, k):   # a different slice each time
-        loss = loss_fn(model(x), y) / k                     # 1/k: the k micro-losses average, not add
-        loss.backward()                                     # adds this micro-batch's share into .grad
+    for x, y in split_micro_batches(inputs, targets, k):  # a different slice each time
+        loss = loss_fn(model(x), y) / k  # 1/k: the k micro-losses average, not add
+        loss.backward()  # adds this micro-batch's share into .grad
         total += loss.item()
     return total
 
@@ -159,9 +183,13 @@ def is_optimizer_step(batch_index: int, num_batches: int, gradient_accumulation_
     return (batch_index + 1) % gradient_accumulation_steps == 0 or batch_index + 1 == num_batches
 
 # %% ../notebooks/01_gradient_accumulation.ipynb #0cc32bc7
-def train_epoch_with_accumulation(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
-                                  batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                                  gradient_accumulation_steps: int) -> int:
+def train_epoch_with_accumulation(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    gradient_accumulation_steps: int,
+) -> int:
     """One epoch over equal-sized micro-`batches`, stepping once per accumulation window (01).
 
     Each loss is scaled by `loss_scale`, so every step (a short last window too) uses its window's
@@ -169,11 +197,11 @@ def train_epoch_with_accumulation(model: nn.Module, optimizer: torch.optim.Optim
     num_batches, k, steps = len(batches), gradient_accumulation_steps, 0
     model.train()
     for i, (x, y) in enumerate(batches):
-        loss = loss_fn(model(x), y) * loss_scale(i, num_batches, k)   # 1/(window length), not always 1/k
-        loss.backward()                                               # accumulates into .grad
+        loss = loss_fn(model(x), y) * loss_scale(i, num_batches, k)  # 1/(window length), not always 1/k
+        loss.backward()  # accumulates into .grad
         if is_optimizer_step(i, num_batches, k):
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)                     # start the next window from zero
+            optimizer.zero_grad(set_to_none=True)  # start the next window from zero
             steps += 1
     return steps
 
@@ -191,19 +219,24 @@ class CommHookRecorder:
         self.events: list[dict] = []
         self.step = 0
 
-    def hook(self, state, bucket):   # no return annotation: DDP accepts none or Future[Tensor], not a string
+    def hook(self, state, bucket):  # no return annotation: DDP accepts none or Future[Tensor], not a string
         import torch.distributed as dist
 
-        buffer = bucket.buffer()                               # this bucket's gradients, flattened
-        event = {"step": self.step, "bucket": bucket.index(), "bytes": buffer.numel() * buffer.element_size(),
-                 "start": time.perf_counter(), "end": None}
+        buffer = bucket.buffer()  # this bucket's gradients, flattened
+        event = {
+            "step": self.step,
+            "bucket": bucket.index(),
+            "bytes": buffer.numel() * buffer.element_size(),
+            "start": time.perf_counter(),
+            "end": None,
+        }
         self.events.append(event)
-        buffer.div_(dist.get_world_size())                     # sum of the averages = the average
+        buffer.div_(dist.get_world_size())  # sum of the averages = the average
         future = dist.all_reduce(buffer, async_op=True).get_future()
 
         def finished(fut):
             event["end"] = time.perf_counter()
-            return fut.value()[0]                              # DDP copies this back into the .grad tensors
+            return fut.value()[0]  # DDP copies this back into the .grad tensors
 
         return future.then(finished)
 
@@ -218,8 +251,9 @@ def timed_forward_backward(accelerator, model: nn.Module, loss_fn, inputs: torch
     return {"forward": (t0, t1), "backward": (t1, time.perf_counter())}
 
 # %% ../notebooks/01_gradient_accumulation.ipynb #c569c9df
-def draw_timeline(ax, bars: Sequence[dict], lanes: Sequence[str], colors: dict[str, str],
-                  min_width: float = 0.004) -> float:
+def draw_timeline(
+    ax, bars: Sequence[dict], lanes: Sequence[str], colors: dict[str, str], min_width: float = 0.004
+) -> float:
     """Draw `bars` (dicts with "lane", "kind", "start", "end", times in seconds) as a timeline in ms, one row per lane.
 
     Times count from the earliest start, which is returned. Bars shorter than `min_width` of the whole
@@ -229,10 +263,15 @@ def draw_timeline(ax, bars: Sequence[dict], lanes: Sequence[str], colors: dict[s
     span = max(b["end"] for b in bars) - origin
     for b in bars:
         width = max(b["end"] - b["start"], min_width * span)
-        ax.broken_barh([((b["start"] - origin) * 1e3, width * 1e3)], (lanes.index(b["lane"]) - 0.35, 0.7),
-                       facecolors=colors[b["kind"]], edgecolors="white", linewidth=0.5)
+        ax.broken_barh(
+            [((b["start"] - origin) * 1e3, width * 1e3)],
+            (lanes.index(b["lane"]) - 0.35, 0.7),
+            facecolors=colors[b["kind"]],
+            edgecolors="white",
+            linewidth=0.5,
+        )
     for kind, color in colors.items():
-        ax.bar(0, 0, color=color, label=kind)                 # one legend entry per kind
+        ax.bar(0, 0, color=color, label=kind)  # one legend entry per kind
     ax.set_yticks(range(len(lanes)))
     ax.set_yticklabels(lanes)
     ax.set_ylim(len(lanes) - 0.5, -0.5)
@@ -240,8 +279,14 @@ def draw_timeline(ax, bars: Sequence[dict], lanes: Sequence[str], colors: dict[s
     return origin
 
 # %% ../notebooks/01_gradient_accumulation.ipynb #a0663e89
-def accumulation_timeline_worker(out_dir: str, gradient_accumulation_steps: int = 4, num_optimizer_steps: int = 2,
-                                 batch_size: int = 8, width: int = 32, seed: int = 0) -> None:
+def accumulation_timeline_worker(
+    out_dir: str,
+    gradient_accumulation_steps: int = 4,
+    num_optimizer_steps: int = 2,
+    batch_size: int = 8,
+    width: int = 32,
+    seed: int = 0,
+) -> None:
     """Run by each process under `debug_launcher`: accumulation with `accelerator.accumulate` on a DDP model,
     recording when each micro-step computes and when DDP all-reduces (01).
 
@@ -262,24 +307,39 @@ def accumulation_timeline_worker(out_dir: str, gradient_accumulation_steps: int 
     loader = DataLoader(TensorDataset(inputs, targets), batch_size=batch_size)
     model = make_toy_cnn(norm="none", width=width, seed=seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)   # DDP model, sharded loader
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)  # DDP model, sharded loader
     recorder = CommHookRecorder()
     model.register_comm_hook(None, recorder.hook)
     micro_steps, grads = [], []
     for i, (x, y) in enumerate(loader):
         recorder.step = i
-        with accelerator.accumulate(model):        # no_sync() on all but the last micro-step of a window
+        with accelerator.accumulate(model):  # no_sync() on all but the last micro-step of a window
             times = timed_forward_backward(accelerator, model, nn.CrossEntropyLoss(), x, y)
             micro_steps.append({"micro_step": i, **times, "sync_gradients": accelerator.sync_gradients})
             grads.append(gradient_snapshot(accelerator.unwrap_model(model)))
-            optimizer.step()                         # skipped by accelerate until the window is complete
+            optimizer.step()  # skipped by accelerate until the window is complete
             optimizer.zero_grad()
-    torch.save({"rank": rank, "num_processes": world_size, "micro_steps": micro_steps, "events": recorder.events,
-                "grads": grads, "num_threads": torch.get_num_threads()}, Path(out_dir) / f"rank{rank}.pt")
+    torch.save(
+        {
+            "rank": rank,
+            "num_processes": world_size,
+            "micro_steps": micro_steps,
+            "events": recorder.events,
+            "grads": grads,
+            "num_threads": torch.get_num_threads(),
+        },
+        Path(out_dir) / f"rank{rank}.pt",
+    )
 
 # %% ../notebooks/01_gradient_accumulation.ipynb #3168197c
-def run_accumulation_timeline(gradient_accumulation_steps: int = 4, num_optimizer_steps: int = 2,
-                              num_processes: int = 2, batch_size: int = 8, width: int = 32, seed: int = 0) -> dict:
+def run_accumulation_timeline(
+    gradient_accumulation_steps: int = 4,
+    num_optimizer_steps: int = 2,
+    num_processes: int = 2,
+    batch_size: int = 8,
+    width: int = 32,
+    seed: int = 0,
+) -> dict:
     """Launch `accumulation_timeline_worker` on `num_processes` CPU processes (gloo) and summarise what it recorded (01).
 
     Returns each process's micro-steps and hook events, the number of all-reduces (hook calls) in
@@ -287,16 +347,22 @@ def run_accumulation_timeline(gradient_accumulation_steps: int = 4, num_optimize
     from accelerate import debug_launcher
 
     with tempfile.TemporaryDirectory() as out_dir:
-        debug_launcher(fork_safe(accumulation_timeline_worker), num_processes=num_processes,
-                       args=(out_dir, gradient_accumulation_steps, num_optimizer_steps, batch_size, width, seed))
+        debug_launcher(
+            fork_safe(accumulation_timeline_worker),
+            num_processes=num_processes,
+            args=(out_dir, gradient_accumulation_steps, num_optimizer_steps, batch_size, width, seed),
+        )
         ranks = [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(num_processes)]
     num_micro_steps = len(ranks[0]["micro_steps"])
     return {
         "ranks": ranks,
         "num_processes": [r["num_processes"] for r in ranks],
         "sync_gradients": [[m["sync_gradients"] for m in r["micro_steps"]] for r in ranks],
-        "allreduces_per_micro_step": [[sum(e["step"] == i for e in r["events"]) for i in range(num_micro_steps)]
-                                      for r in ranks],
-        "grads_equal_across_processes": [all(max_abs_difference(r["grads"][i], ranks[0]["grads"][i]) == 0
-                                             for r in ranks) for i in range(num_micro_steps)],
+        "allreduces_per_micro_step": [
+            [sum(e["step"] == i for e in r["events"]) for i in range(num_micro_steps)] for r in ranks
+        ],
+        "grads_equal_across_processes": [
+            all(max_abs_difference(r["grads"][i], ranks[0]["grads"][i]) == 0 for r in ranks)
+            for i in range(num_micro_steps)
+        ],
     }

@@ -12,17 +12,35 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable, Iterator
 from importlib.resources import files
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import torch
 
-from .cli import (HelpFormatter, OneLineParser, cli_main, model_name, non_negative_float, non_negative_int,
-                              number_flag, positive_float, positive_int)
+from tutorial_lib.cli import (
+    HelpFormatter,
+    OneLineParser,
+    cli_main,
+    model_name,
+    non_negative_float,
+    non_negative_int,
+    number_flag,
+    positive_float,
+    positive_int,
+)
+from tutorial_lib.timing import (
+    alternate,
+    make_bare_step,
+    median_interval,
+    median_throughput,
+    overhead_ratio,
+    paired_ratios,
+    time_windows,
+)
+
 from .core import count_training_flops, in_notebook, mfu, peak_flops_for, peak_memory_bytes, seed_everything
-from .timing import (
-    alternate, make_bare_step, median_interval, median_throughput, overhead_ratio, paired_ratios, time_windows)
+
 # The training script (08a, which builds the models), 07's loaders, torchvision and accelerate are imported inside the
 # functions that use them: `python -m tutorial_lib.bench --help` then costs little more than importing torch.
 
@@ -33,9 +51,21 @@ __all__ = ['LOOP_DEFAULTS', 'SYNTHETIC_CONFIGS', 'JPEG_SUFFIXES', 'DEFAULT_JPEG_
            'jpeg_batches', 'run_gpu_benchmark', 'format_gpu_table', 'device_name', 'get_args_parser', 'main']
 
 # %% ../notebooks/10a_benchmarks.ipynb #4c857651
-LOOP_DEFAULTS = dict(arch="resnet18", img_size=64, batch_size=16, steps=10, rounds=8, warmup_rounds=1,
-                     num_classes=1000, lr=0.1, momentum=0.9, weight_decay=1e-4, gradient_accumulation_steps=1,
-                     max_grad_norm=0.0, seed=0)
+LOOP_DEFAULTS = dict(
+    arch="resnet18",
+    img_size=64,
+    batch_size=16,
+    steps=10,
+    rounds=8,
+    warmup_rounds=1,
+    num_classes=1000,
+    lr=0.1,
+    momentum=0.9,
+    weight_decay=1e-4,
+    gradient_accumulation_steps=1,
+    max_grad_norm=0.0,
+    seed=0,
+)
 
 
 class FixedBatchDataset(torch.utils.data.Dataset):
@@ -56,10 +86,19 @@ class FixedBatchDataset(torch.utils.data.Dataset):
         """Nothing to reseed: the samples never change (the training script calls this every epoch)."""
 
 # %% ../notebooks/10a_benchmarks.ipynb #3488fe07
-def make_our_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, steps: int,
-                  num_classes: int, lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 1e-4,
-                  gradient_accumulation_steps: int = 1, max_grad_norm: float = 0.0,
-                  seed: int = 0) -> Callable[[int], None]:
+def make_our_step(
+    model: torch.nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    steps: int,
+    num_classes: int,
+    lr: float = 0.1,
+    momentum: float = 0.9,
+    weight_decay: float = 1e-4,
+    gradient_accumulation_steps: int = 1,
+    max_grad_norm: float = 0.0,
+    seed: int = 0,
+) -> Callable[[int], None]:
     """A function running one epoch of `steps` micro-batches of the training script's `train_one_epoch` (08a).
 
     The run is made by the script's own builders (`build_accelerator`, `setup_run`: Accelerator, 04's
@@ -70,15 +109,33 @@ def make_our_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Te
     from tutorial_lib.train import default_args, resolve_learning_rate, setup_run, train_one_epoch
 
     batch_size = len(images)
-    args = default_args(batch_size=batch_size, img_size=images.shape[-1], learning_rate=lr, momentum=momentum,
-                        weight_decay=weight_decay, gradient_accumulation_steps=gradient_accumulation_steps,
-                        max_grad_norm=max_grad_norm or None, seed=seed, cpu=True, log_with="none",
-                        disable_progress_bar=True, log_interval=0, num_workers=0)
+    args = default_args(
+        batch_size=batch_size,
+        img_size=images.shape[-1],
+        learning_rate=lr,
+        momentum=momentum,
+        weight_decay=weight_decay,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        max_grad_norm=max_grad_norm or None,
+        seed=seed,
+        cpu=True,
+        log_with="none",
+        disable_progress_bar=True,
+        log_interval=0,
+        num_workers=0,
+    )
     dataset = FixedBatchDataset(images, labels, steps * batch_size)
     train_loader, _ = build_loaders(dataset, dataset, batch_size=batch_size, num_workers=0, seed=seed, pin_memory=False)
     accelerator = build_accelerator(args.cpu, args.mixed_precision, args.gradient_accumulation_steps)
-    run = setup_run(resolve_learning_rate(args, accelerator.num_processes), accelerator, model, train_loader, None,
-                    num_classes, run_dir=tempfile.gettempdir())  # no checkpoint is written (none asked for)
+    run = setup_run(
+        resolve_learning_rate(args, accelerator.num_processes),
+        accelerator,
+        model,
+        train_loader,
+        None,
+        num_classes,
+        run_dir=tempfile.gettempdir(),
+    )  # no checkpoint is written (none asked for)
     epoch = [0]
 
     def step(n: int) -> None:
@@ -93,10 +150,22 @@ def make_our_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Te
     return step
 
 # %% ../notebooks/10a_benchmarks.ipynb #600990dc
-def run_loop_benchmark(arch: str = "resnet18", img_size: int = 64, batch_size: int = 16, steps: int = 10,
-                       rounds: int = 7, warmup_rounds: int = 1, num_classes: int = 1000, lr: float = 0.1,
-                       momentum: float = 0.9, weight_decay: float = 1e-4, gradient_accumulation_steps: int = 1,
-                       max_grad_norm: float = 0.0, seed: int = 0, ours: str = "train") -> dict:
+def run_loop_benchmark(
+    arch: str = "resnet18",
+    img_size: int = 64,
+    batch_size: int = 16,
+    steps: int = 10,
+    rounds: int = 7,
+    warmup_rounds: int = 1,
+    num_classes: int = 1000,
+    lr: float = 0.1,
+    momentum: float = 0.9,
+    weight_decay: float = 1e-4,
+    gradient_accumulation_steps: int = 1,
+    max_grad_norm: float = 0.0,
+    seed: int = 0,
+    ours: str = "train",
+) -> dict:
     """Our training step vs a bare loop, alternating in one process; returns medians and `overhead_ratio`.
 
     `ours="train"`: one epoch of 08a's `train_one_epoch` per round; `ours="bare"`: a second bare loop (A/A test)."""
@@ -110,24 +179,39 @@ def run_loop_benchmark(arch: str = "resnet18", img_size: int = 64, batch_size: i
     labels = torch.randint(0, num_classes, (batch_size,))
     hyper = dict(lr=lr, momentum=momentum, weight_decay=weight_decay)
     if ours == "train":
-        mine = make_our_step(copy.deepcopy(model), images, labels, steps=steps, num_classes=num_classes,
-                             gradient_accumulation_steps=gradient_accumulation_steps, max_grad_norm=max_grad_norm,
-                             seed=seed, **hyper)
+        mine = make_our_step(
+            copy.deepcopy(model),
+            images,
+            labels,
+            steps=steps,
+            num_classes=num_classes,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            max_grad_norm=max_grad_norm,
+            seed=seed,
+            **hyper,
+        )
     else:
         mine = make_bare_step(copy.deepcopy(model), images, labels, **hyper)
     runs = {"ours": mine, "bare": make_bare_step(copy.deepcopy(model), images, labels, **hyper)}
     times = alternate(runs, rounds=rounds, steps=steps, warmup_rounds=warmup_rounds)
     paired = paired_ratios(times)
     return {
-        "arch": arch, "img_size": img_size, "batch_size": batch_size, "steps": steps, "rounds": rounds,
-        "ours": ours, "gradient_accumulation_steps": gradient_accumulation_steps, "max_grad_norm": max_grad_norm,
+        "arch": arch,
+        "img_size": img_size,
+        "batch_size": batch_size,
+        "steps": steps,
+        "rounds": rounds,
+        "ours": ours,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "max_grad_norm": max_grad_norm,
         "threads": torch.get_num_threads(),
         "ours_ms_per_step": statistics.median(times["ours"]) / steps * 1e3,
         "bare_ms_per_step": statistics.median(times["bare"]) / steps * 1e3,
         "overhead_ratio": overhead_ratio(times),
         "paired_median": statistics.median(paired),  # each round's ours / bare, and a 95 % interval of their median
         "paired_interval": median_interval(paired) if rounds >= 6 else None,  # (6 rounds at least)
-        "ours_round_s": times["ours"], "bare_round_s": times["bare"],
+        "ours_round_s": times["ours"],
+        "bare_round_s": times["bare"],
     }
 
 # %% ../notebooks/10a_benchmarks.ipynb #9dd81a13
@@ -139,8 +223,12 @@ SYNTHETIC_CONFIGS: dict[str, dict] = {
 JPEG_SUFFIXES = {".jpg", ".jpeg"}
 
 
-def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device | str,
-                    amp_dtype: torch.dtype | None = torch.bfloat16) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def make_train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device | str,
+    amp_dtype: torch.dtype | None = torch.bfloat16,
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """One training step (autocast forward, loss, backward, optimizer step) as a function of a batch."""
     device_type = torch.device(device).type
     criterion = torch.nn.CrossEntropyLoss()
@@ -163,9 +251,17 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 # %% ../notebooks/10a_benchmarks.ipynb #54f15fbb
-def build_synthetic_run(arch: str, config: str, device: torch.device | str, batch_size: int, img_size: int,
-                        num_classes: int = 1000, compile_backend: str = "inductor",
-                        amp_dtype: torch.dtype | None = torch.bfloat16, seed: int = 0) -> dict:
+def build_synthetic_run(
+    arch: str,
+    config: str,
+    device: torch.device | str,
+    batch_size: int,
+    img_size: int,
+    num_classes: int = 1000,
+    compile_backend: str = "inductor",
+    amp_dtype: torch.dtype | None = torch.bfloat16,
+    seed: int = 0,
+) -> dict:
     """Model, optimizer, training step and a fixed random batch for one row of `SYNTHETIC_CONFIGS`."""
     from tutorial_lib.train import build_model
 
@@ -180,12 +276,24 @@ def build_synthetic_run(arch: str, config: str, device: torch.device | str, batc
     net = torch.compile(model, backend=compile_backend) if opts["compile"] else model
     images = torch.randn(batch_size, 3, img_size, img_size, device=device).contiguous(memory_format=memory_format)
     labels = torch.randint(0, num_classes, (batch_size,), device=device)
-    return {"config": config, "model": model, "step": make_train_step(net, optimizer, device, amp_dtype),
-            "images": images, "labels": labels, "memory_format": memory_format}
+    return {
+        "config": config,
+        "model": model,
+        "step": make_train_step(net, optimizer, device, amp_dtype),
+        "images": images,
+        "labels": labels,
+        "memory_format": memory_format,
+    }
 
 
-def measure_steps(step: Callable[[], object], device: torch.device, batch_size: int, windows: int,
-                  steps_per_window: int, warmup_steps: int) -> dict:
+def measure_steps(
+    step: Callable[[], object],
+    device: torch.device,
+    batch_size: int,
+    windows: int,
+    steps_per_window: int,
+    warmup_steps: int,
+) -> dict:
     """Warm up (timed separately, it includes any compilation), then median img/s over timed windows."""
     device = torch.device(device)
     sync = _synchronizer(device)
@@ -198,8 +306,13 @@ def measure_steps(step: Callable[[], object], device: torch.device, batch_size: 
     warmup_s = time.perf_counter() - start
     secs = time_windows(step, windows, steps_per_window, sync=sync)
     ips = median_throughput(secs, batch_size * steps_per_window)
-    return {"images_per_sec": ips, "step_ms": 1e3 * batch_size / ips, "warmup_s": warmup_s,
-            "window_s": secs, "peak_memory_gb": peak_memory_bytes(device) / 2**30}
+    return {
+        "images_per_sec": ips,
+        "step_ms": 1e3 * batch_size / ips,
+        "warmup_s": warmup_s,
+        "window_s": secs,
+        "peak_memory_gb": peak_memory_bytes(device) / 2**30,
+    }
 
 # %% ../notebooks/10a_benchmarks.ipynb #90f465b3
 class RepeatDataset(torch.utils.data.Dataset):
@@ -224,7 +337,9 @@ class RepeatDataset(torch.utils.data.Dataset):
         return getattr(self.dataset, name)
 
 
-def jpeg_files_and_labels(folder: str | os.PathLike, max_files: int | None = None) -> tuple[list[Path], list[int], list[str]]:
+def jpeg_files_and_labels(
+    folder: str | os.PathLike, max_files: int | None = None
+) -> tuple[list[Path], list[int], list[str]]:
     """The JPEG files under `folder` (at most `max_files`, evenly spread) with integer labels: the
     sub-folder name, or for a flat folder the file name's prefix before `_` (`n01440764_tench.JPEG` → `n01440764`)."""
     root = Path(folder)
@@ -234,7 +349,7 @@ def jpeg_files_and_labels(folder: str | os.PathLike, max_files: int | None = Non
     if not files:
         raise FileNotFoundError(f"no .jpg/.jpeg files under {root}; pass --data_dir with a folder of JPEG files")
     if max_files is not None and len(files) > max_files:
-        files = files[::len(files) // max_files][:max_files]
+        files = files[:: len(files) // max_files][:max_files]
     names = [p.parent.name if p.parent != root else p.stem.split("_")[0] for p in files]
     classes = sorted(set(names))
     index = {c: i for i, c in enumerate(classes)}
@@ -257,8 +372,9 @@ def linked_image_folder(folder: str | os.PathLike, dest: str | os.PathLike, max_
     return dest
 
 # %% ../notebooks/10a_benchmarks.ipynb #10006b0c
-def decode_on_side_stream(items: list[torch.Tensor], img_size: int, device: torch.device | str,
-                          stream: "torch.cuda.Stream | None" = None) -> torch.Tensor:
+def decode_on_side_stream(
+    items: list[torch.Tensor], img_size: int, device: torch.device | str, stream: torch.cuda.Stream | None = None
+) -> torch.Tensor:
     """07e's `decode_batch_on_device` (nvJPEG + RandomResizedCrop + flip) run on a side CUDA `stream`.
 
     Decoding then overlaps the training step queued on the current stream, and the batch is made
@@ -273,14 +389,23 @@ def decode_on_side_stream(items: list[torch.Tensor], img_size: int, device: torc
     with torch.cuda.stream(stream):  # decode_batch_on_device drains `stream` before nvJPEG writes (07)
         batch = decode_batch_on_device(items, img_size, train=True, device=device)
     if stream is not main:
-        main.wait_stream(stream)   # the training stream waits for the decoded batch ...
+        main.wait_stream(stream)  # the training stream waits for the decoded batch ...
         batch.record_stream(main)  # ... and the allocator keeps it until training has read it
     return batch
 
 # %% ../notebooks/10a_benchmarks.ipynb #6491216f
-def jpeg_batches(folder: str | os.PathLike, pipeline: str, length: int, batch_size: int, img_size: int,
-                 workers: int, device: torch.device | str, memory_format: torch.memory_format = torch.contiguous_format,
-                 num_classes: int = 1000, seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def jpeg_batches(
+    folder: str | os.PathLike,
+    pipeline: str,
+    length: int,
+    batch_size: int,
+    img_size: int,
+    workers: int,
+    device: torch.device | str,
+    memory_format: torch.memory_format = torch.contiguous_format,
+    num_classes: int = 1000,
+    seed: int = 0,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Model-ready batches from the folder's JPEGs repeated to `length`, through 07's `pipeline`.
 
     `"fast"`: decode + augment on CPU workers. `"gpu"`: workers read bytes, the device decodes. Batches
@@ -297,35 +422,66 @@ def jpeg_batches(folder: str | os.PathLike, pipeline: str, length: int, batch_si
         train_ds, val_ds = build_datasets(linked_image_folder(folder, tmp), img_size=img_size, pipeline=pipeline)
         # pinned host memory speeds up copying decoded pixels; nvJPEG reads the bytes from any memory
         pin = device.type == "cuda" and pipeline == "fast"
-        loader, _ = build_loaders(RepeatDataset(train_ds, length), val_ds, batch_size=batch_size,
-                                  num_workers=workers, seed=seed, pin_memory=pin)
+        loader, _ = build_loaders(
+            RepeatDataset(train_ds, length),
+            val_ds,
+            batch_size=batch_size,
+            num_workers=workers,
+            seed=seed,
+            pin_memory=pin,
+        )
         stream = torch.cuda.Stream(device) if device.type == "cuda" and pipeline == "gpu" else None
         for images, targets in loader:
             if pipeline == "gpu":
                 images = decode_on_side_stream(images, img_size, device, stream)
             copy_async = device.type == "cuda"  # pinned batches: the copy overlaps the previous step
-            images = normalize_on_device(images.to(device, non_blocking=copy_async),
-                                         channels_last=memory_format == torch.channels_last)
-            yield images.contiguous(memory_format=memory_format), (targets % num_classes).to(device, non_blocking=copy_async)
+            images = normalize_on_device(
+                images.to(device, non_blocking=copy_async), channels_last=memory_format == torch.channels_last
+            )
+            yield (
+                images.contiguous(memory_format=memory_format),
+                (targets % num_classes).to(device, non_blocking=copy_async),
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 # %% ../notebooks/10a_benchmarks.ipynb #722cfe38
 # the embedded CIFAR-10 training JPEGs, inside the package; for ImageNet-sized decoding give a folder of ImageNet photos
 DEFAULT_JPEG_DIR = str(files("tutorial_lib") / "assets" / "cifar10_small" / "train")
-GPU_DEFAULTS = dict(arch="resnet50", img_size=224, batch_size=256, windows=5, steps_per_window=10,
-                    warmup_steps=10, num_classes=1000, budget_s=480.0)
-DRY_RUN = dict(arch="resnet18", img_size=64, batch_size=4, windows=2, steps_per_window=1, warmup_steps=1,
-               num_classes=10)
+GPU_DEFAULTS = dict(
+    arch="resnet50",
+    img_size=224,
+    batch_size=256,
+    windows=5,
+    steps_per_window=10,
+    warmup_steps=10,
+    num_classes=1000,
+    budget_s=480.0,
+)
+DRY_RUN = dict(
+    arch="resnet18", img_size=64, batch_size=4, windows=2, steps_per_window=1, warmup_steps=1, num_classes=10
+)
 
 
-def run_gpu_benchmark(device: torch.device | str = "cuda", arch: str = "resnet50", img_size: int = 224,
-                      batch_size: int = 256, windows: int = 5, steps_per_window: int = 10, warmup_steps: int = 10,
-                      num_classes: int = 1000, configs: Iterable[str] = tuple(SYNTHETIC_CONFIGS),
-                      compile_backend: str = "inductor", amp_dtype: torch.dtype | None = torch.bfloat16,
-                      peak_tflops: float | None = None, data_dir: str | os.PathLike | None = DEFAULT_JPEG_DIR,
-                      workers: int | None = None, decode_workers: int = 4, budget_s: float = 480.0,
-                      log: Callable[[str], None] = print) -> dict:
+def run_gpu_benchmark(
+    device: torch.device | str = "cuda",
+    arch: str = "resnet50",
+    img_size: int = 224,
+    batch_size: int = 256,
+    windows: int = 5,
+    steps_per_window: int = 10,
+    warmup_steps: int = 10,
+    num_classes: int = 1000,
+    configs: Iterable[str] = tuple(SYNTHETIC_CONFIGS),
+    compile_backend: str = "inductor",
+    amp_dtype: torch.dtype | None = torch.bfloat16,
+    peak_tflops: float | None = None,
+    data_dir: str | os.PathLike | None = DEFAULT_JPEG_DIR,
+    workers: int | None = None,
+    decode_workers: int = 4,
+    budget_s: float = 480.0,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Synthetic-data img/s and MFU per config, then end-to-end img/s from JPEGs (CPU workers, device decode).
 
     A measurement is not started (reported as skipped) when the time so far plus the previous
@@ -336,12 +492,23 @@ def run_gpu_benchmark(device: torch.device | str = "cuda", arch: str = "resnet50
         torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick the fastest kernels once
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = peak_flops_for(name if device.type == "cuda" else None, peak_tflops)
-    workers = max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2) - 1) \
-        if workers is None else workers
-    result = {"device": name, "arch": arch, "img_size": img_size, "batch_size": batch_size, "num_classes": num_classes,
-              "dtype": str(amp_dtype).replace("torch.", "") if amp_dtype else "float32",
-              "compile_backend": compile_backend, "peak_tflops": peak / 1e12 if peak else None,
-              "train_flops_per_image": None, "rows": []}
+    workers = (
+        max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2) - 1)
+        if workers is None
+        else workers
+    )
+    result = {
+        "device": name,
+        "arch": arch,
+        "img_size": img_size,
+        "batch_size": batch_size,
+        "num_classes": num_classes,
+        "dtype": str(amp_dtype).replace("torch.", "") if amp_dtype else "float32",
+        "compile_backend": compile_backend,
+        "peak_tflops": peak / 1e12 if peak else None,
+        "train_flops_per_image": None,
+        "rows": [],
+    }
 
     last_s = [0.0]  # duration of the previous measurement: the guess for the next one
 
@@ -364,7 +531,9 @@ def run_gpu_benchmark(device: torch.device | str = "cuda", arch: str = "resnet50
         run = build_synthetic_run(arch, config, device, batch_size, img_size, num_classes, compile_backend, amp_dtype)
         if result.get("train_flops_per_image") is None:
             result["train_flops_per_image"] = count_training_flops(run["model"], img_size)["train"]
-        row = measure({"config": config, "data": "synthetic"}, lambda run=run: run["step"](run["images"], run["labels"]))
+        row = measure(
+            {"config": config, "data": "synthetic"}, lambda run=run: run["step"](run["images"], run["labels"])
+        )
         result["rows"].append(row)
         if "images_per_sec" in row:
             runs[config] = run
@@ -386,8 +555,9 @@ def run_gpu_benchmark(device: torch.device | str = "cuda", arch: str = "resnet50
                 result["rows"].append({**row, "skipped": f"no folder {data_dir}"})
                 continue
             log(f"[bench gpu] end to end {row['config']} ({n_workers} workers) ...")
-            batches = jpeg_batches(data_dir, pipeline, length, batch_size, img_size, n_workers, device,
-                                   run["memory_format"], num_classes)
+            batches = jpeg_batches(
+                data_dir, pipeline, length, batch_size, img_size, n_workers, device, run["memory_format"], num_classes
+            )
             result["rows"].append(measure(row, lambda run=run, batches=batches: run["step"](*next(batches))))
             batches.close()  # shuts the DataLoader workers down now
         e2e = [r for r in result["rows"] if r.get("data") == "jpeg" and "images_per_sec" in r]
@@ -400,17 +570,21 @@ def run_gpu_benchmark(device: torch.device | str = "cuda", arch: str = "resnet50
 # %% ../notebooks/10a_benchmarks.ipynb #1ba657af
 def format_gpu_table(result: dict) -> str:
     """The `bench gpu` rows as a fixed-width text table."""
-    lines = [f"bench gpu: {result['device']}, {result['arch']} at {result['img_size']} px, batch {result['batch_size']}, "
-             f"{result['dtype']}, peak {result['peak_tflops'] or 'unknown'} TFLOP/s, "
-             f"{(result.get('train_flops_per_image') or 0) / 1e9:.2f} GFLOP per training image",
-             f"{'config':<36}{'data':<10}{'img/s':>10}{'step ms':>9}{'MFU':>8}{'warm-up s':>10}{'peak GB':>9}"]
+    lines = [
+        f"bench gpu: {result['device']}, {result['arch']} at {result['img_size']} px, batch {result['batch_size']}, "
+        f"{result['dtype']}, peak {result['peak_tflops'] or 'unknown'} TFLOP/s, "
+        f"{(result.get('train_flops_per_image') or 0) / 1e9:.2f} GFLOP per training image",
+        f"{'config':<36}{'data':<10}{'img/s':>10}{'step ms':>9}{'MFU':>8}{'warm-up s':>10}{'peak GB':>9}",
+    ]
     for r in result["rows"]:
         if "images_per_sec" not in r:
             lines.append(f"{r['config']:<36}{r['data']:<10}  skipped: {r['skipped']}")
             continue
         m = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
-        lines.append(f"{r['config']:<36}{r['data']:<10}{r['images_per_sec']:>10.1f}{r['step_ms']:>9.1f}{m:>8}"
-                     f"{r['warmup_s']:>10.1f}{r['peak_memory_gb']:>9.2f}")
+        lines.append(
+            f"{r['config']:<36}{r['data']:<10}{r['images_per_sec']:>10.1f}{r['step_ms']:>9.1f}{m:>8}"
+            f"{r['warmup_s']:>10.1f}{r['peak_memory_gb']:>9.2f}"
+        )
     if "e2e_over_synthetic" in result:
         lines.append(f"end to end / synthetic: {result['e2e_over_synthetic']:.2f}")
     return "\n".join(lines)
@@ -418,20 +592,24 @@ def format_gpu_table(result: dict) -> str:
 
 def _json_line(result: dict, drop: Iterable[str] = ()) -> str:
     """One JSON object on one line (the last line of every subcommand's output)."""
+
     def clean(x):
         if isinstance(x, dict):
             return {k: clean(v) for k, v in x.items() if k not in drop}
         if isinstance(x, list):
             return [clean(v) for v in x]
         return x
+
     return json.dumps(clean(result), default=str)
 
 # %% ../notebooks/10a_benchmarks.ipynb #456289fb
 def _cmd_gpu(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench gpu skipped: no CUDA GPU available (torch.cuda.is_available() is False); "
-              "run it on a GPU machine, or pass --device cpu --dry_run to check the code path")
+        print(
+            "bench gpu skipped: no CUDA GPU available (torch.cuda.is_available() is False); "
+            "run it on a GPU machine, or pass --device cpu --dry_run to check the code path"
+        )
         return
     sizes = dict(GPU_DEFAULTS)
     sizes.pop("budget_s")
@@ -439,11 +617,18 @@ def _cmd_gpu(args: argparse.Namespace) -> None:
         sizes.update(DRY_RUN)
     sizes.update({key: getattr(args, key) for key in sizes if hasattr(args, key)})  # what the command line gave
     backend = getattr(args, "compile_backend", None) or ("inductor" if device.type == "cuda" else "eager")
-    result = run_gpu_benchmark(device, **sizes, compile_backend=backend, peak_tflops=getattr(args, "peak_tflops", None),
-                               data_dir=None if args.no_e2e else args.data_dir, workers=getattr(args, "workers", None),
-                               decode_workers=args.decode_workers, budget_s=args.budget_s,
-                               amp_dtype=None if args.fp32 else torch.bfloat16,
-                               log=lambda s: print(s, file=sys.stderr, flush=True))
+    result = run_gpu_benchmark(
+        device,
+        **sizes,
+        compile_backend=backend,
+        peak_tflops=getattr(args, "peak_tflops", None),
+        data_dir=None if args.no_e2e else args.data_dir,
+        workers=getattr(args, "workers", None),
+        decode_workers=args.decode_workers,
+        budget_s=args.budget_s,
+        amp_dtype=None if args.fp32 else torch.bfloat16,
+        log=lambda s: print(s, file=sys.stderr, flush=True),
+    )
     print(format_gpu_table(result))
     print(_json_line(result, drop={"window_s"}))
 
@@ -454,16 +639,20 @@ def _cmd_loop(args: argparse.Namespace) -> None:
         result = run_loop_benchmark(**kwargs, ours=args.ours)
     except RuntimeError as e:
         sys.exit(f"bench loop: {e}")
-    print(f"bench loop: {result['arch']} at {result['img_size']} px, batch {result['batch_size']}, "
-          f"{result['rounds']} alternating rounds of {result['steps']} steps, {result['threads']} thread(s)")
+    print(
+        f"bench loop: {result['arch']} at {result['img_size']} px, batch {result['batch_size']}, "
+        f"{result['rounds']} alternating rounds of {result['steps']} steps, {result['threads']} thread(s)"
+    )
     print(f"{'loop':<8}{'median ms/step':>16}")
     print(f"{'ours':<8}{result['ours_ms_per_step']:>16.2f}   ({result['ours']})")
     print(f"{'bare':<8}{result['bare_ms_per_step']:>16.2f}")
     print(f"overhead_ratio {result['overhead_ratio']:.4f}")
     if result["paired_interval"]:
         low, high = result["paired_interval"]
-        print(f"paired rounds: median ratio {result['paired_median']:.4f}, 95 % interval [{low:.4f}, {high:.4f}] "
-              "(run --ours bare for this machine's own noise)")
+        print(
+            f"paired rounds: median ratio {result['paired_median']:.4f}, 95 % interval [{low:.4f}, {high:.4f}] "
+            "(run --ours bare for this machine's own noise)"
+        )
     print(_json_line(result))
 
 
@@ -494,69 +683,143 @@ _SIZE_FLAGS = {
 def get_args_parser() -> argparse.ArgumentParser:
     """`python -m tutorial_lib.bench {loop,gpu,data}`: the benchmarks of notebook 10a. Flags are spelled as the training
     script's (`--batch_size`), every default shows in `--help`, and a bad value is one line and exit status 2 (00a)."""
-    parser = OneLineParser(prog="python -m tutorial_lib.bench", formatter_class=HelpFormatter,
-                           description="The benchmarks of notebook 10a; every subcommand ends with one JSON line.")
+    parser = OneLineParser(
+        prog="python -m tutorial_lib.bench",
+        formatter_class=HelpFormatter,
+        description="The benchmarks of notebook 10a; every subcommand ends with one JSON line.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{loop,gpu,data}")
 
-    loop = sub.add_parser("loop", formatter_class=HelpFormatter,
-                          help="our training step vs a bare PyTorch loop, alternating (CPU)",
-                          description="The training script's step (one epoch of train_one_epoch per round) against a "
-                                      "bare PyTorch loop,\nalternating in one process; prints overhead_ratio.")
+    loop = sub.add_parser(
+        "loop",
+        formatter_class=HelpFormatter,
+        help="our training step vs a bare PyTorch loop, alternating (CPU)",
+        description="The training script's step (one epoch of train_one_epoch per round) against a "
+        "bare PyTorch loop,\nalternating in one process; prints overhead_ratio.",
+    )
     for flag, (key, kind, text) in _SIZE_FLAGS.items():
         loop.add_argument(f"--{flag}", dest=key, type=kind, default=LOOP_DEFAULTS[key], metavar=flag.upper(), help=text)
     loop.add_argument("--steps", type=positive_int, default=LOOP_DEFAULTS["steps"], help="steps per round")
-    loop.add_argument("--rounds", type=positive_int, default=LOOP_DEFAULTS["rounds"],
-                      help="timed rounds per loop (even: each loop goes first equally often)")
-    loop.add_argument("--warmup_rounds", type=non_negative_int, default=LOOP_DEFAULTS["warmup_rounds"],
-                      help="untimed rounds first")
-    loop.add_argument("--learning_rate", dest="lr", type=positive_float, default=LOOP_DEFAULTS["lr"], help="SGD learning rate")
-    loop.add_argument("--momentum", type=number_flag(float, 0, 1, high_open=True), default=LOOP_DEFAULTS["momentum"],
-                      help="SGD momentum")
-    loop.add_argument("--weight_decay", type=non_negative_float, default=LOOP_DEFAULTS["weight_decay"], help="SGD weight decay")
-    loop.add_argument("--gradient_accumulation_steps", type=positive_int,
-                      default=LOOP_DEFAULTS["gradient_accumulation_steps"], help="micro-batches per optimizer step (ours)")
-    loop.add_argument("--max_grad_norm", type=non_negative_float, default=LOOP_DEFAULTS["max_grad_norm"],
-                      help="gradient clipping in our step; 0: off")
-    loop.add_argument("--seed", type=non_negative_int, default=LOOP_DEFAULTS["seed"], help="seeds weights and the batch")
-    loop.add_argument("--ours", choices=["train", "bare"], default="train",
-                      help="'train': the training script's step (08a); 'bare': an A/A test of the harness")
+    loop.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=LOOP_DEFAULTS["rounds"],
+        help="timed rounds per loop (even: each loop goes first equally often)",
+    )
+    loop.add_argument(
+        "--warmup_rounds", type=non_negative_int, default=LOOP_DEFAULTS["warmup_rounds"], help="untimed rounds first"
+    )
+    loop.add_argument(
+        "--learning_rate", dest="lr", type=positive_float, default=LOOP_DEFAULTS["lr"], help="SGD learning rate"
+    )
+    loop.add_argument(
+        "--momentum",
+        type=number_flag(float, 0, 1, high_open=True),
+        default=LOOP_DEFAULTS["momentum"],
+        help="SGD momentum",
+    )
+    loop.add_argument(
+        "--weight_decay", type=non_negative_float, default=LOOP_DEFAULTS["weight_decay"], help="SGD weight decay"
+    )
+    loop.add_argument(
+        "--gradient_accumulation_steps",
+        type=positive_int,
+        default=LOOP_DEFAULTS["gradient_accumulation_steps"],
+        help="micro-batches per optimizer step (ours)",
+    )
+    loop.add_argument(
+        "--max_grad_norm",
+        type=non_negative_float,
+        default=LOOP_DEFAULTS["max_grad_norm"],
+        help="gradient clipping in our step; 0: off",
+    )
+    loop.add_argument(
+        "--seed", type=non_negative_int, default=LOOP_DEFAULTS["seed"], help="seeds weights and the batch"
+    )
+    loop.add_argument(
+        "--ours",
+        choices=["train", "bare"],
+        default="train",
+        help="'train': the training script's step (08a); 'bare': an A/A test of the harness",
+    )
     loop.set_defaults(func=_cmd_loop)
 
-    gpu = sub.add_parser("gpu", formatter_class=HelpFormatter,
-                         help="ResNet50 bf16 img/s and MFU on one CUDA GPU, synthetic and from JPEGs",
-                         description="Synthetic-data img/s and MFU of eager, channels_last and torch.compile, then "
-                                     "end to end from JPEGs\n(CPU workers, GPU decoding). Without CUDA it prints one line "
-                                     "and exits 0.")
-    gpu.add_argument("--device", type=device_name, default="cuda", help="cuda, or cpu (with --dry_run: checks the code path)")
-    gpu.add_argument("--dry_run", action="store_true", help="tiny sizes (ResNet18, 64 px, batch 4): checks the code path")
-    sizes = {**_SIZE_FLAGS, "windows": ("windows", positive_int, "timed windows (the median counts)"),
-             "steps_per_window": ("steps_per_window", positive_int, "steps per timed window"),
-             "warmup_steps": ("warmup_steps", non_negative_int, "untimed steps first (they include compiling)")}
+    gpu = sub.add_parser(
+        "gpu",
+        formatter_class=HelpFormatter,
+        help="ResNet50 bf16 img/s and MFU on one CUDA GPU, synthetic and from JPEGs",
+        description="Synthetic-data img/s and MFU of eager, channels_last and torch.compile, then "
+        "end to end from JPEGs\n(CPU workers, GPU decoding). Without CUDA it prints one line "
+        "and exits 0.",
+    )
+    gpu.add_argument(
+        "--device", type=device_name, default="cuda", help="cuda, or cpu (with --dry_run: checks the code path)"
+    )
+    gpu.add_argument(
+        "--dry_run", action="store_true", help="tiny sizes (ResNet18, 64 px, batch 4): checks the code path"
+    )
+    sizes = {
+        **_SIZE_FLAGS,
+        "windows": ("windows", positive_int, "timed windows (the median counts)"),
+        "steps_per_window": ("steps_per_window", positive_int, "steps per timed window"),
+        "warmup_steps": ("warmup_steps", non_negative_int, "untimed steps first (they include compiling)"),
+    }
     for flag, (key, kind, text) in sizes.items():  # not given: GPU_DEFAULTS, or DRY_RUN with --dry_run
-        gpu.add_argument(f"--{flag}", dest=key, type=kind, default=argparse.SUPPRESS, metavar=flag.upper(),
-                         help=f"{text} (default: {GPU_DEFAULTS[key]}; {DRY_RUN[key]} with --dry_run)")
-    gpu.add_argument("--peak_tflops", type=positive_float, default=argparse.SUPPRESS,
-                     help="the device's dense bf16 peak in TFLOP/s (default: looked up by the device's name, e.g. "
-                          "H200 989, A100 312)")
-    gpu.add_argument("--data_dir", default=DEFAULT_JPEG_DIR,
-                     help="folder of JPEG files (any layout) for the end-to-end rows; a relative path starts at the "
-                          "folder you run the command in (default: the package's embedded CIFAR-10 training JPEGs, "
-                          "32 px; give a folder of ImageNet photos to time ImageNet-sized decoding)")
+        gpu.add_argument(
+            f"--{flag}",
+            dest=key,
+            type=kind,
+            default=argparse.SUPPRESS,
+            metavar=flag.upper(),
+            help=f"{text} (default: {GPU_DEFAULTS[key]}; {DRY_RUN[key]} with --dry_run)",
+        )
+    gpu.add_argument(
+        "--peak_tflops",
+        type=positive_float,
+        default=argparse.SUPPRESS,
+        help="the device's dense bf16 peak in TFLOP/s (default: looked up by the device's name, e.g. "
+        "H200 989, A100 312)",
+    )
+    gpu.add_argument(
+        "--data_dir",
+        default=DEFAULT_JPEG_DIR,
+        help="folder of JPEG files (any layout) for the end-to-end rows; a relative path starts at the "
+        "folder you run the command in (default: the package's embedded CIFAR-10 training JPEGs, "
+        "32 px; give a folder of ImageNet photos to time ImageNet-sized decoding)",
+    )
     gpu.add_argument("--no_e2e", action="store_true", help="synthetic rows only")
-    gpu.add_argument("--workers", type=non_negative_int, default=argparse.SUPPRESS,
-                     help="CPU DataLoader workers (default: the CPUs this process may use, minus one)")
-    gpu.add_argument("--decode_workers", type=non_negative_int, default=4, help="workers reading bytes for GPU decoding")
-    gpu.add_argument("--compile_backend", default=argparse.SUPPRESS,
-                     help="torch.compile backend (default: inductor on CUDA, eager on CPU)")
-    gpu.add_argument("--budget_s", type=non_negative_float, default=GPU_DEFAULTS["budget_s"],
-                     help="start no new measurement after this many seconds")
+    gpu.add_argument(
+        "--workers",
+        type=non_negative_int,
+        default=argparse.SUPPRESS,
+        help="CPU DataLoader workers (default: the CPUs this process may use, minus one)",
+    )
+    gpu.add_argument(
+        "--decode_workers", type=non_negative_int, default=4, help="workers reading bytes for GPU decoding"
+    )
+    gpu.add_argument(
+        "--compile_backend",
+        default=argparse.SUPPRESS,
+        help="torch.compile backend (default: inductor on CUDA, eager on CPU)",
+    )
+    gpu.add_argument(
+        "--budget_s",
+        type=non_negative_float,
+        default=GPU_DEFAULTS["budget_s"],
+        help="start no new measurement after this many seconds",
+    )
     gpu.add_argument("--fp32", action="store_true", help="no autocast (otherwise bf16 autocast)")
     gpu.set_defaults(func=_cmd_gpu)
 
-    data = sub.add_parser("data", formatter_class=HelpFormatter,
-                          help="07's baseline vs fast input pipeline (tutorial_lib.databench.run_data_benchmark)",
-                          description="torchvision's default input pipeline against 07's, images/s per worker.")
-    data.add_argument("--data_dir", required=True, default=argparse.SUPPRESS, help="a folder of images (any depth); required")
+    data = sub.add_parser(
+        "data",
+        formatter_class=HelpFormatter,
+        help="07's baseline vs fast input pipeline (tutorial_lib.databench.run_data_benchmark)",
+        description="torchvision's default input pipeline against 07's, images/s per worker.",
+    )
+    data.add_argument(
+        "--data_dir", required=True, default=argparse.SUPPRESS, help="a folder of images (any depth); required"
+    )
     data.add_argument("--workers", type=non_negative_int, default=1, help="DataLoader workers of each pipeline")
     data.set_defaults(func=_cmd_data)
     return parser

@@ -37,7 +37,7 @@ class RunFolderError(UserError):
 
 
 CHECKPOINT_FORMAT = "tutorial-train-checkpoint/1"
-MANIFEST = "checkpoint.json"        # written last: a folder without it is not a checkpoint
+MANIFEST = "checkpoint.json"  # written last: a folder without it is not a checkpoint
 PROGRESS_FILE = "train_state.json"  # where the run is (epoch, step...) as JSON: nothing of ours needs unpickling
 
 # %% ../notebooks/06a_checkpoints.ipynb #8aa388f2
@@ -63,8 +63,12 @@ def incomplete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and (p.name.startswith((".tmp-", ".old-", ".trash-"))
-                                                              or (_is_step_folder(p) and not (p / MANIFEST).is_file())))
+    return sorted(
+        p
+        for p in root.iterdir()
+        if p.is_dir()
+        and (p.name.startswith((".tmp-", ".old-", ".trash-")) or (_is_step_folder(p) and not (p / MANIFEST).is_file()))
+    )
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
@@ -108,8 +112,15 @@ def model_signature(model: torch.nn.Module) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 # %% ../notebooks/06a_checkpoints.ipynb #94b74159
-def save_checkpoint(accelerator, run_dir: str | os.PathLike, step: int, progress: dict, keep_last: int,
-                    meta: dict | None = None, size_hint: int | None = None) -> Path:
+def save_checkpoint(
+    accelerator,
+    run_dir: str | os.PathLike,
+    step: int,
+    progress: dict,
+    keep_last: int,
+    meta: dict | None = None,
+    size_hint: int | None = None,
+) -> Path:
     """Save the full training state into `checkpoints/step_<step>` atomically; keep the last `keep_last`.
 
     `accelerator.save_state` writes model, optimizer, scheduler and every process's RNG into
@@ -130,7 +141,9 @@ def save_checkpoint(accelerator, run_dir: str | os.PathLike, step: int, progress
         accelerator.save_state(str(tmp))  # model (safetensors), optimizer, scheduler, RNG of every process
     except Exception as err:  # e.g. a full disk, as the OS, torch's C++ writer or safetensors reports it
         failure = err  # every process learns whether any failed (below); anything but a full disk is raised again
-    _stop_if_any_failed(accelerator, failure, tmp, run_dir, f"the checkpoint of step {step}", size_hint)  # all wrote their RNG
+    _stop_if_any_failed(
+        accelerator, failure, tmp, run_dir, f"the checkpoint of step {step}", size_hint
+    )  # all wrote their RNG
     if accelerator.is_main_process:
         try:
             _commit_checkpoint(tmp, final, step, progress, meta)
@@ -200,12 +213,20 @@ def _disk_full_message(run_dir: Path, what: str, need: int | None = None) -> str
     free = shutil.disk_usage(run_dir).free
     where = f"from {previous.name}, which is intact" if previous else "from the start: no checkpoint was saved yet"
     needs = f"it needs about {format_bytes(need)}, " if need else ""
-    return (f"no space left on the disk of {run_dir} while saving {what}: {needs}{format_bytes(free)} are free; free "
-            f"some space, then resume with --resume_from_checkpoint latest ({where})")
+    return (
+        f"no space left on the disk of {run_dir} while saving {what}: {needs}{format_bytes(free)} are free; free "
+        f"some space, then resume with --resume_from_checkpoint latest ({where})"
+    )
 
 # %% ../notebooks/06a_checkpoints.ipynb #5e055c03
-def _stop_if_any_failed(accelerator, failure: BaseException | None, tmp: Path, run_dir: str | os.PathLike,
-                        what: str, need: int | None = None) -> None:
+def _stop_if_any_failed(
+    accelerator,
+    failure: BaseException | None,
+    tmp: Path,
+    run_dir: str | os.PathLike,
+    what: str,
+    need: int | None = None,
+) -> None:
     """The same decision on every process: if any failed to save, all stop (`DiskFullError` for a full disk)."""
     flags = torch.tensor([float(failure is not None), float(_no_space(failure))], device=accelerator.device)
     failed, full = (accelerator.reduce(flags, "sum") > 0).tolist()
@@ -241,17 +262,21 @@ def _check_files(path: Path, manifest: dict, flag: str) -> None:
         if not f.is_file():
             raise CheckpointError(f"{flag}: {name} is missing; resume from an older checkpoint")
         if f.stat().st_size != info["bytes"] or sha256_file(f) != info["sha256"]:
-            raise CheckpointError(f"{flag}: {name} is corrupt (its size or SHA-256 differs from {MANIFEST}); "
-                                  "resume from an older checkpoint")
+            raise CheckpointError(
+                f"{flag}: {name} is corrupt (its size or SHA-256 differs from {MANIFEST}); "
+                "resume from an older checkpoint"
+            )
     for name in sorted(n for n in files if n.endswith((".bin", ".pkl", ".pt", ".pth"))):
         try:
             _load_plain(path / name)
         except Exception as err:  # UnpicklingError and friends: anything but plain tensors and numbers
             found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
             what = f"it refers to {found.group(1)}" if found else type(err).__name__
-            raise CheckpointError(f"{flag}: {name} holds more than tensors and numbers ({what}); "
-                                  "torch.load(weights_only=True) refused it and nothing was run: only resume "
-                                  "from checkpoints you wrote") from None
+            raise CheckpointError(
+                f"{flag}: {name} holds more than tensors and numbers ({what}); "
+                "torch.load(weights_only=True) refused it and nothing was run: only resume "
+                "from checkpoints you wrote"
+            ) from None
 
 # %% ../notebooks/06a_checkpoints.ipynb #9a1c96c5
 def verify_checkpoint(path: str | os.PathLike, expect: dict | None = None) -> dict:
@@ -263,10 +288,14 @@ def verify_checkpoint(path: str | os.PathLike, expect: dict | None = None) -> di
     path = Path(path)
     flag = f"--resume_from_checkpoint {path}"
     if not path.is_dir():
-        raise MissingPathError(f"{flag} does not exist; pass a folder like <run>/checkpoints/step_000000100 or 'latest'")
+        raise MissingPathError(
+            f"{flag} does not exist; pass a folder like <run>/checkpoints/step_000000100 or 'latest'"
+        )
     if not (path / MANIFEST).is_file():
-        raise MissingPathError(f"{flag} is not a complete checkpoint of this script (no {MANIFEST}: an interrupted "
-                               "save or another program's folder); pass a step_* folder or 'latest'")
+        raise MissingPathError(
+            f"{flag} is not a complete checkpoint of this script (no {MANIFEST}: an interrupted "
+            "save or another program's folder); pass a step_* folder or 'latest'"
+        )
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except (ValueError, UnicodeDecodeError) as err:
@@ -275,10 +304,14 @@ def verify_checkpoint(path: str | os.PathLike, expect: dict | None = None) -> di
         raise CheckpointError(f"{flag}: {MANIFEST} is not a {CHECKPOINT_FORMAT} manifest")
     _check_files(path, manifest, flag)
     if any(manifest.get(k) != v for k, v in (expect or {}).items()):
+
         def show(d: dict) -> str:
             return f"{d.get('model')}, {d.get('num_classes')} classes, signature {d.get('model_signature')}"
-        raise CheckpointError(f"{flag} belongs to another model ({show(manifest)}; this run: {show(expect)}); resume "
-                              "with the same --model and data, or start a new --experiment_name")
+
+        raise CheckpointError(
+            f"{flag} belongs to another model ({show(manifest)}; this run: {show(expect)}); resume "
+            "with the same --model and data, or start a new --experiment_name"
+        )
     return manifest
 
 # %% ../notebooks/06a_checkpoints.ipynb #088e98de
@@ -291,12 +324,16 @@ def _check_model_tensors(path: Path, model: torch.nn.Module, flag: str) -> None:
         with safe_open(str(path / "model.safetensors"), framework="pt") as f:
             saved = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     except Exception as err:  # a header safetensors cannot parse
-        raise CheckpointError(f"{flag}: model.safetensors is unreadable ({err}); resume from another checkpoint") from None
+        raise CheckpointError(
+            f"{flag}: model.safetensors is unreadable ({err}); resume from another checkpoint"
+        ) from None
     for name, shape in sorted(saved.items()):
         if shapes.get(name) != shape:
             this = f"this model's is {list(shapes[name])}" if name in shapes else "this model has no such tensor"
-            raise CheckpointError(f"{flag}: model.safetensors holds {name} of shape {list(shape)}, {this}; it was not "
-                                  "written by this script for this model: resume from a checkpoint of this run")
+            raise CheckpointError(
+                f"{flag}: model.safetensors holds {name} of shape {list(shape)}, {this}; it was not "
+                "written by this script for this model: resume from a checkpoint of this run"
+            )
 
 
 def _check_optimizer_state(path: Path, optimizer, flag: str) -> None:
@@ -307,21 +344,26 @@ def _check_optimizer_state(path: Path, optimizer, flag: str) -> None:
     sizes = [len(g["params"]) for g in groups]
     if not isinstance(saved_groups, list) or [len(g.get("params", [])) for g in saved_groups] != sizes:
         found = [len(g.get("params", [])) for g in saved_groups] if isinstance(saved_groups, list) else "none"
-        raise CheckpointError(f"{flag}: optimizer.bin has parameter groups of {found} parameters, this run's optimizer "
-                              f"{sizes}; it was not written by this script for this model: resume from a checkpoint "
-                              "of this run")
+        raise CheckpointError(
+            f"{flag}: optimizer.bin has parameter groups of {found} parameters, this run's optimizer "
+            f"{sizes}; it was not written by this script for this model: resume from a checkpoint "
+            "of this run"
+        )
     state = saved.get("state", {})
     for saved_group, group in zip(saved_groups, groups):
         for index, param in zip(saved_group["params"], group["params"]):
             for name, value in (state.get(index) or {}).items():
                 if isinstance(value, torch.Tensor) and value.dim() and value.shape != param.shape:
-                    raise CheckpointError(f"{flag}: optimizer.bin holds a {name} of shape {list(value.shape)} for a "
-                                          f"parameter of shape {list(param.shape)}; it was not written by this script "
-                                          "for this model: resume from a checkpoint of this run")
+                    raise CheckpointError(
+                        f"{flag}: optimizer.bin holds a {name} of shape {list(value.shape)} for a "
+                        f"parameter of shape {list(param.shape)}; it was not written by this script "
+                        "for this model: resume from a checkpoint of this run"
+                    )
 
 # %% ../notebooks/06a_checkpoints.ipynb #9d7d3a3d
-def load_checkpoint(accelerator, path: str | os.PathLike, expect: dict | None = None, model=None,
-                    optimizer=None) -> tuple[dict, dict]:
+def load_checkpoint(
+    accelerator, path: str | os.PathLike, expect: dict | None = None, model=None, optimizer=None
+) -> tuple[dict, dict]:
     """Verify, then restore weights, optimizer, scheduler and RNG states; return (manifest, progress).
 
     With `model` (unwrapped) and `optimizer`, their tensors' names and shapes are checked first: a crafted checkpoint
@@ -332,7 +374,9 @@ def load_checkpoint(accelerator, path: str | os.PathLike, expect: dict | None = 
     try:
         progress = json.loads((path / PROGRESS_FILE).read_text())
     except (ValueError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{flag}: {PROGRESS_FILE} is unreadable ({err}); resume from another checkpoint") from None
+        raise CheckpointError(
+            f"{flag}: {PROGRESS_FILE} is unreadable ({err}); resume from another checkpoint"
+        ) from None
     if model is not None and (path / "model.safetensors").is_file():
         _check_model_tensors(path, model, flag)
     if optimizer is not None and (path / "optimizer.bin").is_file():
@@ -340,13 +384,15 @@ def load_checkpoint(accelerator, path: str | os.PathLike, expect: dict | None = 
     try:
         accelerator.load_state(str(path))  # safetensors model; other files torch.load(weights_only=True)
     except (RuntimeError, ValueError, KeyError, IndexError, TypeError) as err:  # what the checks above cannot foresee
-        raise CheckpointError(f"{flag} does not fit this run ({' '.join(str(err).split())[:300]}); resume from a "
-                              "checkpoint of this run") from None
+        raise CheckpointError(
+            f"{flag} does not fit this run ({' '.join(str(err).split())[:300]}); resume from a checkpoint of this run"
+        ) from None
     return manifest, progress
 
 # %% ../notebooks/06a_checkpoints.ipynb #ac12339e
-def resolve_resume_path(resume: str | None, run_dir: str | os.PathLike, warn=print,
-                        run_id: str | None = None) -> Path | None:
+def resolve_resume_path(
+    resume: str | None, run_dir: str | os.PathLike, warn=print, run_id: str | None = None
+) -> Path | None:
     """`--resume_from_checkpoint`: a checkpoint folder, or `latest` (None if the run has none yet).
 
     `latest` only ever picks a complete checkpoint of the run `run_id` (when given): leftovers of an
@@ -365,11 +411,15 @@ def resolve_resume_path(resume: str | None, run_dir: str | os.PathLike, warn=pri
         return found[-1] if found else None
     path = Path(resume)
     if not path.is_dir():
-        raise MissingPathError(f"--resume_from_checkpoint {resume} does not exist; pass a folder like "
-                               f"{checkpoint_root(run_dir)}/step_000000100, or 'latest'")
+        raise MissingPathError(
+            f"--resume_from_checkpoint {resume} does not exist; pass a folder like "
+            f"{checkpoint_root(run_dir)}/step_000000100, or 'latest'"
+        )
     if not (path / MANIFEST).is_file():
-        raise MissingPathError(f"--resume_from_checkpoint {resume} is not a complete checkpoint of this script "
-                               f"(no {MANIFEST}); pass a folder like {checkpoint_root(run_dir)}/step_000000100, or 'latest'")
+        raise MissingPathError(
+            f"--resume_from_checkpoint {resume} is not a complete checkpoint of this script "
+            f"(no {MANIFEST}); pass a folder like {checkpoint_root(run_dir)}/step_000000100, or 'latest'"
+        )
     return path
 
 
@@ -407,15 +457,15 @@ def save_final_model(accelerator, model: torch.nn.Module, run_dir: str | os.Path
 class TrainState:
     """Where a run is, saved as `train_state.json` in every checkpoint next to model and optimizer."""
 
-    epoch: int = 0                 # epoch being trained (the next one after an epoch-end checkpoint)
-    batches_done: int = 0          # micro-batches of `epoch` already consumed by each process
-    global_step: int = 0           # optimizer steps since the start of the run; W&B's step
-    wandb_run_id: str = ""         # the run's id: in every manifest, config.json and W&B
+    epoch: int = 0  # epoch being trained (the next one after an epoch-end checkpoint)
+    batches_done: int = 0  # micro-batches of `epoch` already consumed by each process
+    global_step: int = 0  # optimizer steps since the start of the run; W&B's step
+    wandb_run_id: str = ""  # the run's id: in every manifest, config.json and W&B
     partial_train: dict = dataclasses.field(default_factory=dict)  # train metrics of `epoch` before a mid-epoch save
-    nonfinite_skipped: int = 0     # optimizer steps skipped for a NaN/Inf loss (--on_nonfinite_loss skip)
-    nonfinite_in_a_row: int = 0    # ... of them in a row, up to the last step
+    nonfinite_skipped: int = 0  # optimizer steps skipped for a NaN/Inf loss (--on_nonfinite_loss skip)
+    nonfinite_in_a_row: int = 0  # ... of them in a row, up to the last step
     layout: list = dataclasses.field(default_factory=list)  # [processes, batch_size, accumulation] of batches_done
-    skipped_files: int = 0         # unreadable images skipped (--on_bad_file skip), counted each time met
+    skipped_files: int = 0  # unreadable images skipped (--on_bad_file skip), counted each time met
     bad_files: list = dataclasses.field(default_factory=list)  # ... and their names, each once
 
     def state_dict(self) -> dict:
@@ -429,8 +479,10 @@ class TrainState:
             raise ValueError(f"missing {sorted(set(kinds) - keys)}, unexpected {sorted(keys - set(kinds))}")
         for key, value in state.items():
             if not isinstance(value, kinds[key]) or isinstance(value, bool) or (kinds[key] is int and value < 0):
-                raise ValueError(f"{key} is {value!r}, expected a{'' if kinds[key] is int else ' ' + kinds[key].__name__} "
-                                 f"{'non-negative integer' if kinds[key] is int else ''}".rstrip())
+                raise ValueError(
+                    f"{key} is {value!r}, expected a{'' if kinds[key] is int else ' ' + kinds[key].__name__} "
+                    f"{'non-negative integer' if kinds[key] is int else ''}".rstrip()
+                )
         for key, value in state.items():
             setattr(self, key, value)
 
@@ -449,21 +501,33 @@ def folder_run_id(run_dir: str | os.PathLike) -> str | None:
         except (AttributeError, OSError) as err:  # JSON but not an object; unreadable
             problem = "not a JSON object" if isinstance(err, AttributeError) else str(err)
         if problem:
-            raise RunFolderError(f"{config} is damaged ({problem}); the checkpoints are still usable: move the file "
-                                 f"aside (e.g. to {config.name}.damaged) and run the same command again, which reads "
-                                 "the run's id from its checkpoints")
+            raise RunFolderError(
+                f"{config} is damaged ({problem}); the checkpoints are still usable: move the file "
+                f"aside (e.g. to {config.name}.damaged) and run the same command again, which reads "
+                "the run's id from its checkpoints"
+            )
         return run_id
     ids = sorted({checkpoint_run_id(p) for p in list_checkpoints(run_dir)} - {None})
     if len(ids) > 1:
-        raise RunFolderError(f"{run_dir} has no config.json to say which run it belongs to, and its checkpoints belong "
-                             f"to {len(ids)} runs ({', '.join(ids)}): move the other runs' checkpoints out of "
-                             f"{checkpoint_root(run_dir)}, or resume one of them into a new folder with "
-                             "--resume_from_checkpoint <its folder> --experiment_name <a new name>")
+        raise RunFolderError(
+            f"{run_dir} has no config.json to say which run it belongs to, and its checkpoints belong "
+            f"to {len(ids)} runs ({', '.join(ids)}): move the other runs' checkpoints out of "
+            f"{checkpoint_root(run_dir)}, or resume one of them into a new folder with "
+            "--resume_from_checkpoint <its folder> --experiment_name <a new name>"
+        )
     return ids[0] if ids else None
 
 # %% ../notebooks/06a_checkpoints.ipynb #fa33e4fd
-def resume_state(accelerator, resume: str | None, run_dir: str | os.PathLike, state: TrainState, expect: dict,
-                 layout: list, model=None, optimizer=None) -> Path | None:
+def resume_state(
+    accelerator,
+    resume: str | None,
+    run_dir: str | os.PathLike,
+    state: TrainState,
+    expect: dict,
+    layout: list,
+    model=None,
+    optimizer=None,
+) -> Path | None:
     """`--resume_from_checkpoint` (a folder or `latest`): restore the checkpoint into the prepared objects and
     `state`; None when there is none. Refuses another model's (`expect`; tensor shapes too, given the unwrapped
     `model` and the `optimizer`), a `train_state.json` with other keys, and a mid-epoch one saved with another
@@ -478,14 +542,21 @@ def resume_state(accelerator, resume: str | None, run_dir: str | os.PathLike, st
         try:
             state.load_state_dict(progress)
         except ValueError as err:
-            raise CheckpointError(f"--resume_from_checkpoint {path}: {PROGRESS_FILE} is not this script's ({err}); "
-                                  "resume from a checkpoint of this run") from None
+            raise CheckpointError(
+                f"--resume_from_checkpoint {path}: {PROGRESS_FILE} is not this script's ({err}); "
+                "resume from a checkpoint of this run"
+            ) from None
         if state.batches_done and state.layout and list(state.layout) != list(layout):
-            raise CheckpointError(f"{path} was saved mid-epoch with (processes, --batch_size, "
-                                  f"--gradient_accumulation_steps) = {tuple(state.layout)}, not {tuple(layout)}: resume "
-                                  "with the same set-up, or from an epoch-end checkpoint")
-        accelerator.print(f"resumed from {path}: epoch {state.epoch}, {state.batches_done} batches into it, "
-                          f"optimizer step {state.global_step}", flush=True)
+            raise CheckpointError(
+                f"{path} was saved mid-epoch with (processes, --batch_size, "
+                f"--gradient_accumulation_steps) = {tuple(state.layout)}, not {tuple(layout)}: resume "
+                "with the same set-up, or from an epoch-end checkpoint"
+            )
+        accelerator.print(
+            f"resumed from {path}: epoch {state.epoch}, {state.batches_done} batches into it, "
+            f"optimizer step {state.global_step}",
+            flush=True,
+        )
     elif resume == "latest":
         accelerator.print(f"no checkpoint in {checkpoint_root(run_dir)} yet: starting from scratch", flush=True)
     if not state.wandb_run_id:

@@ -11,8 +11,8 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 from .core import SMOKE_ENV_VAR, UserError, environment_report, in_notebook
 
@@ -23,10 +23,17 @@ __all__ = ['positive_int', 'non_negative_int', 'positive_float', 'non_negative_f
            'course_notebooks', 'run_notebooks', 'get_args_parser', 'run_command', 'main']
 
 # %% ../notebooks/00a_course_tools.ipynb #abf5a5d3
-def number_flag(kind: type, low: float | None = None, high: float | None = None, low_open: bool = False,
-                high_open: bool = False, what: str | None = None):
+def number_flag(
+    kind: type,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    what: str | None = None,
+):
     """An argparse `type=`: parse `kind` (int or float) and refuse values outside `[low, high]` (or the open
     ends), and NaN/Inf, with the range in the message (`what` replaces it, e.g. "a positive number")."""
+
     def parse(text) -> int | float:
         try:
             value = kind(text)
@@ -35,14 +42,19 @@ def number_flag(kind: type, low: float | None = None, high: float | None = None,
             raise argparse.ArgumentTypeError(f"must be {kind_name}, got {text!r}") from None
         if kind is int and isinstance(text, float) and not text.is_integer():
             raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}")
-        if not math.isfinite(value) or (low is not None and (value <= low if low_open else value < low)) \
-                or (high is not None and (value >= high if high_open else value > high)):
+        if (
+            not math.isfinite(value)
+            or (low is not None and (value <= low if low_open else value < low))
+            or (high is not None and (value >= high if high_open else value > high))
+        ):
             if what or high is None:
                 bound = what or f"{'>' if low_open else '>='} {low:g}"
                 raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
-            raise argparse.ArgumentTypeError(f"must be in {'(' if low_open else '['}{low:g}, {high:g}"
-                                             f"{')' if high_open else ']'}, got {value}")
+            raise argparse.ArgumentTypeError(
+                f"must be in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}, got {value}"
+            )
         return value
+
     parse.__name__ = kind.__name__  # argparse names the type in some messages
     return parse
 
@@ -87,8 +99,10 @@ def model_name(text: str) -> str:
 
     available = torchvision.models.list_models(module=torchvision.models)
     if text != "tinycnn" and text not in available:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a torchvision classification model; use 'tinycnn' or "
-                                         f"one of e.g. resnet18, resnet50, mobilenet_v3_small ({len(available)} available)")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a torchvision classification model; use 'tinycnn' or "
+            f"one of e.g. resnet18, resnet50, mobilenet_v3_small ({len(available)} available)"
+        )
     return text
 
 
@@ -99,17 +113,21 @@ def run_name(text: str) -> str:
     name = os.path.normpath(text) if text.strip() else ""
     fix = "name a folder inside it, e.g. --experiment_name resnet50_v1"
     if not name:
-        raise argparse.ArgumentTypeError(f"{text!r} is empty: the run's files would go into --working_directory itself, "
-                                         f"among its other runs; {fix}")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is empty: the run's files would go into --working_directory itself, among its other runs; {fix}"
+        )
     if os.path.isabs(name):
-        raise argparse.ArgumentTypeError(f"{text!r} is an absolute path, but the run folder is <working_directory>/"
-                                         "<experiment_name>: pass the parent folder as --working_directory and the last "
-                                         "part as --experiment_name")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is an absolute path, but the run folder is <working_directory>/"
+            "<experiment_name>: pass the parent folder as --working_directory and the last "
+            "part as --experiment_name"
+        )
     if name == os.curdir:
         raise argparse.ArgumentTypeError(f"{text!r} names --working_directory itself, where the other runs are; {fix}")
     if name.split(os.sep)[0] == os.pardir:
-        raise argparse.ArgumentTypeError(f"{text!r} leads out of --working_directory (to {name}); {fix}, or choose "
-                                         "another --working_directory")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} leads out of --working_directory (to {name}); {fix}, or choose another --working_directory"
+        )
     return name
 
 
@@ -126,7 +144,7 @@ def one_line(err: BaseException) -> str:
     text = str(err).strip()
     if "Original Traceback" in text:
         starts = [m.end() for m in re.finditer(rf"^[\w.]*\b{type(err).__name__}: ", text, re.MULTILINE)]
-        text = text[starts[-1]:] if starts else text.splitlines()[-1].split(": ", 1)[-1]
+        text = text[starts[-1] :] if starts else text.splitlines()[-1].split(": ", 1)[-1]
     return " ".join(text.split())
 
 
@@ -135,10 +153,17 @@ def exit_code(exit_: SystemExit) -> int:
     return exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
 
 # %% ../notebooks/00a_course_tools.ipynb #caa42272
-def cli_main(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int | None],
-             argv: list[str] | None = None, *, process: int = 0, shared: tuple[type, ...] = (),
-             exit_statuses: dict[type, int] | None = None, line: Callable[[BaseException], str] = one_line,
-             on_exit: Callable[[int], None] | None = None) -> None:
+def cli_main(
+    parser: argparse.ArgumentParser,
+    run: Callable[[argparse.Namespace], int | None],
+    argv: list[str] | None = None,
+    *,
+    process: int = 0,
+    shared: tuple[type, ...] = (),
+    exit_statuses: dict[type, int] | None = None,
+    line: Callable[[BaseException], str] = one_line,
+    on_exit: Callable[[int], None] | None = None,
+) -> None:
     """The one convention of the course's command lines: parse `argv` with `parser`, call `run(args)`, and end with
     the status it returns (0 or None: return; else `SystemExit`). A bad flag (`OneLineParser`) and a `UserError`
     are one line on stderr, `prog: error: ...`, and status 2, never a traceback; `exit_statuses` gives other kinds
@@ -150,7 +175,9 @@ def cli_main(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace]
     statuses = {**(exit_statuses or {}), UserError: 2}
     try:
         try:
-            with contextlib.redirect_stderr(sys.stderr if process == 0 else io.StringIO()):  # a bad flag: process 0 says it
+            with contextlib.redirect_stderr(
+                sys.stderr if process == 0 else io.StringIO()
+            ):  # a bad flag: process 0 says it
                 args = parser.parse_args(argv)
             status = run(args) or 0
         except tuple(statuses) as err:
@@ -228,8 +255,17 @@ class Progress:
     tqdm. `unit="B"` counts bytes (MB, GB, MB/s); `summary=True` ends with a line of how much in how long. Taught
     in 00a; the training script (08a) shows one per epoch, the data tools (07b) one per job."""
 
-    def __init__(self, total: int, desc: str = "", initial: int = 0, unit: str = "it", interval: float = 30.0,
-                 file=None, disable: bool = False, summary: bool = False):
+    def __init__(
+        self,
+        total: int,
+        desc: str = "",
+        initial: int = 0,
+        unit: str = "it",
+        interval: float = 30.0,
+        file=None,
+        disable: bool = False,
+        summary: bool = False,
+    ):
         self.total, self.desc, self.done, self.unit, self.interval = total, desc, initial, unit, interval
         self.file, self.disable, self.summary, self.postfix = file or sys.stderr, disable, summary, {}
         self.start = self.last = time.monotonic()
@@ -237,8 +273,9 @@ class Progress:
         if not disable and self.file.isatty():
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, unit_scale=unit == "B", leave=False,
-                            file=self.file)
+            self.bar = tqdm(
+                total=total, initial=initial, desc=desc, unit=unit, unit_scale=unit == "B", leave=False, file=self.file
+            )
 
     def update(self, n: int = 1) -> None:
         self.done += n
@@ -263,11 +300,16 @@ class Progress:
         """The plain line of a log: how far the loop is, how fast it goes, the time left, and the postfix."""
         rate = (self.done - self.started_at) / max(time.monotonic() - self.start, 1e-9)
         left = f"{(self.total - self.done) / rate / 60:.0f} min left" if rate > 0 else "starting"
-        where = (f"{format_size(self.done)} of {format_size(self.total)}" if self.unit == "B"
-                 else f"{self.done}/{self.total} {self.unit}")
+        where = (
+            f"{format_size(self.done)} of {format_size(self.total)}"
+            if self.unit == "B"
+            else f"{self.done}/{self.total} {self.unit}"
+        )
         extra = "".join(f", {k} {v}" for k, v in self.postfix.items())
-        return (f"{self.desc}: {where} ({100 * self.done / max(self.total, 1):.0f} %), "
-                f"{self._amount(rate, per_second=True)}, {left}{extra}")
+        return (
+            f"{self.desc}: {where} ({100 * self.done / max(self.total, 1):.0f} %), "
+            f"{self._amount(rate, per_second=True)}, {left}{extra}"
+        )
 
     def close(self) -> None:
         """Close the bar; with `summary`, a last line: how much in how long."""
@@ -275,8 +317,12 @@ class Progress:
             self.bar.close()
         if self.summary and not self.disable and self.total > 0:
             seconds, moved = time.monotonic() - self.start, self.done - self.started_at
-            print(f"{self.desc}: done, {self._amount(moved)} in {seconds:.0f} s "
-                  f"({self._amount(moved / max(seconds, 1e-9), per_second=True)})", file=self.file, flush=True)
+            print(
+                f"{self.desc}: done, {self._amount(moved)} in {seconds:.0f} s "
+                f"({self._amount(moved / max(seconds, 1e-9), per_second=True)})",
+                file=self.file,
+                flush=True,
+            )
 
 # %% ../notebooks/00a_course_tools.ipynb #1dfe414a
 def config_path(name: str) -> Path:
@@ -300,8 +346,9 @@ def course_notebooks(folder: str | os.PathLike = "notebooks") -> list[Path]:
     return sorted(Path(folder).glob(COURSE_NOTEBOOKS))
 
 # %% ../notebooks/00a_course_tools.ipynb #9fc6ac89
-def run_notebooks(paths: Iterable[str | os.PathLike], smoke: bool = False, timeout: float = 3600,
-                  clean: bool = True) -> dict[str, float]:
+def run_notebooks(
+    paths: Iterable[str | os.PathLike], smoke: bool = False, timeout: float = 3600, clean: bool = True
+) -> dict[str, float]:
     """Execute notebooks top to bottom in a fresh kernel each and return the seconds each took.
 
     Full mode (`smoke=False`) writes the outputs into the files, then runs `nbdev-clean` (with `clean`) in
@@ -322,8 +369,9 @@ def run_notebooks(paths: Iterable[str | os.PathLike], smoke: bool = False, timeo
         for path in paths:
             nb = nbformat.read(path, as_version=4)
             start = time.perf_counter()
-            nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                                    resources={"metadata": {"path": str(path.parent)}}).execute()
+            nbclient.NotebookClient(
+                nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+            ).execute()
             seconds[path.name] = time.perf_counter() - start
             print(f"{path.name}: {seconds[path.name]:.0f} s ({'smoke' if smoke else 'full'} mode)", flush=True)
             if not smoke:
@@ -340,13 +388,20 @@ def run_notebooks(paths: Iterable[str | os.PathLike], smoke: bool = False, timeo
 # %% ../notebooks/00a_course_tools.ipynb #365c9ede
 def get_args_parser() -> argparse.ArgumentParser:
     """`tutorial-lib [run-notebooks [NOTEBOOK ...] [--smoke]]`: the course's tools."""
-    parser = OneLineParser(prog="tutorial-lib", formatter_class=HelpFormatter,
-                           description="The course's tools: without a command, what this machine offers.")
+    parser = OneLineParser(
+        prog="tutorial-lib",
+        formatter_class=HelpFormatter,
+        description="The course's tools: without a command, what this machine offers.",
+    )
     commands = parser.add_subparsers(dest="command")
-    run = commands.add_parser("run-notebooks", formatter_class=HelpFormatter,
-                              help="execute the notebooks in full mode, outputs written in place (then nbdev-clean)")
-    run.add_argument("notebooks", nargs="*",
-                     help="notebook files; default: every notebook of notebooks/ here, in reading order")
+    run = commands.add_parser(
+        "run-notebooks",
+        formatter_class=HelpFormatter,
+        help="execute the notebooks in full mode, outputs written in place (then nbdev-clean)",
+    )
+    run.add_argument(
+        "notebooks", nargs="*", help="notebook files; default: every notebook of notebooks/ here, in reading order"
+    )
     run.add_argument("--smoke", action="store_true", help="the small sizes the tests use; the files are left alone")
     return parser
 

@@ -13,8 +13,8 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -129,8 +129,9 @@ def count_training_flops(model: torch.nn.Module, img_size: int = 224, batch_size
     return {"forward": forward / batch_size, "train": counter.get_total_flops() / batch_size}
 
 
-def training_time_seconds(images_per_second: float, images: int = IMAGENET_TRAIN_IMAGES,
-                          epochs: int = RECIPE_EPOCHS) -> float:
+def training_time_seconds(
+    images_per_second: float, images: int = IMAGENET_TRAIN_IMAGES, epochs: int = RECIPE_EPOCHS
+) -> float:
     """Wall-clock seconds to see `images × epochs` samples at a sustained throughput."""
     if images_per_second <= 0:
         raise ValueError(f"images_per_second must be positive, got {images_per_second}")
@@ -141,8 +142,19 @@ def training_time_seconds(images_per_second: float, images: int = IMAGENET_TRAIN
 # Longer names first: "A100" must win over "A10", "L40S" over "L4", "H100 PCIe" over "H100".
 # V100 and T4 have no bf16; their entry is the fp16 tensor-core peak.
 PEAK_BF16_TFLOPS: dict[str, float] = {
-    "B200": 2250.0, "GH200": 989.0, "H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0,
-    "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0, "V100": 125.0,
+    "B200": 2250.0,
+    "GH200": 989.0,
+    "H200": 989.0,
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "A10": 125.0,
+    "V100": 125.0,
     "T4": 65.0,
 }
 
@@ -232,8 +244,13 @@ class StepTimer(StepClock):
     """Per-epoch accounting of a training loop: `StepClock`'s time waiting for data vs computing, and images/s,
     peak memory and MFU. Taught in 00; the training script (08a) keeps one per epoch and notebook 10 measures with it."""
 
-    def __init__(self, device: torch.device | str = "cpu", flops_per_image: float | None = None,
-                 peak_flops: float | None = None, sync: bool | None = None):
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        flops_per_image: float | None = None,
+        peak_flops: float | None = None,
+        sync: bool | None = None,
+    ):
         self.flops_per_image, self.peak_flops = flops_per_image, peak_flops
         super().__init__(device, sync)
 
@@ -270,8 +287,11 @@ class StepTimer(StepClock):
 # %% ../notebooks/00_introduction.ipynb #3f563180
 def global_batch_size(batch_size: int, gradient_accumulation_steps: int = 1, num_processes: int = 1) -> int:
     """Samples that contribute to one optimizer step: micro-batch × accumulation × processes."""
-    for name, value in [("batch_size", batch_size), ("gradient_accumulation_steps", gradient_accumulation_steps),
-                        ("num_processes", num_processes)]:
+    for name, value in [
+        ("batch_size", batch_size),
+        ("gradient_accumulation_steps", gradient_accumulation_steps),
+        ("num_processes", num_processes),
+    ]:
         if int(value) != value or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(batch_size * gradient_accumulation_steps * num_processes)
@@ -315,7 +335,6 @@ def bf16_supported() -> bool:
 # %% ../notebooks/00_introduction.ipynb #78cdee42
 import json
 import subprocess
-import sys
 
 
 def accelerate_cli(args: list, env: dict | None = None, timeout: float = 300.0) -> subprocess.CompletedProcess:
@@ -341,8 +360,9 @@ def cpu_launch_config(source: str | Path, target: str | Path, num_processes: int
     config = yaml.safe_load(Path(source).read_text())
     if not isinstance(config, dict):
         raise ValueError(f"{source} is not an accelerate config file (expected a mapping of fields)")
-    config.update(distributed_type="MULTI_GPU", num_processes=int(num_processes), num_machines=1, machine_rank=0,
-                  **changes)
+    config.update(
+        distributed_type="MULTI_GPU", num_processes=int(num_processes), num_machines=1, machine_rank=0, **changes
+    )
     Path(target).write_text(yaml.safe_dump(config))
     return config
 
@@ -375,8 +395,14 @@ def read_process_states(folder: str | Path) -> list[dict]:
     return sorted(records, key=lambda r: (r["process_index"], r["pid"]))
 
 # %% ../notebooks/00_introduction.ipynb #b963145d
-def launch_state_probe(config_file: str | Path, folder: str | Path, flags: list | tuple = (), cpu: bool = True,
-                       env: dict | None = None, timeout: float = 300.0) -> list[dict]:
+def launch_state_probe(
+    config_file: str | Path,
+    folder: str | Path,
+    flags: list | tuple = (),
+    cpu: bool = True,
+    env: dict | None = None,
+    timeout: float = 300.0,
+) -> list[dict]:
     """`accelerate launch` the state probe with a config file and flags; return what each process saw.
 
     The ground truth of a launch is the state *inside* the launched processes, not what the config file says.
@@ -389,8 +415,11 @@ def launch_state_probe(config_file: str | Path, folder: str | Path, flags: list 
     shutil.rmtree(states, ignore_errors=True)  # only this launch's records
     flags = [str(f) for f in flags]
     port = [] if "--main_process_port" in flags else ["--main_process_port", free_port()]
-    run = accelerate_cli(["launch", "--config_file", config_file, *port, *flags, script, states,
-                          *(["--cpu"] if cpu else [])], env=env, timeout=timeout)
+    run = accelerate_cli(
+        ["launch", "--config_file", config_file, *port, *flags, script, states, *(["--cpu"] if cpu else [])],
+        env=env,
+        timeout=timeout,
+    )
     if run.returncode != 0:
         raise RuntimeError(f"accelerate launch failed with exit code {run.returncode}:\n{run.stderr[-3000:]}")
     return read_process_states(states)

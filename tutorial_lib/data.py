@@ -10,19 +10,36 @@ import io
 import os
 import re
 import shutil
-import sys
 import tarfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+
+from tutorial_lib.cli import (
+    HelpFormatter,
+    OneLineParser,
+    Progress,
+    cli_main,
+    format_size,
+    positive_float,
+    run_on_user_files,
+)
+from tutorial_lib.sources import (
+    IMG_EXTENSIONS,
+    OFFICIAL_ARCHIVES,
+    DataLayoutError,
+    DataSourceError,
+    ScanReport,
+    error_reason,
+    find_split_dirs,
+    folder_listing,
+    is_image_name,
+    require_datasets,
+    scan_image_folder,
+)
 
 from .accel import MissingPathError
-from .cli import (HelpFormatter, OneLineParser, Progress, cli_main, format_size, positive_float,
-                              run_on_user_files)
 from .core import in_notebook
-from .sources import (IMG_EXTENSIONS, OFFICIAL_ARCHIVES, DataLayoutError, DataSourceError, ScanReport,
-                                  error_reason, find_split_dirs, folder_listing, is_image_name, require_datasets,
-                                  scan_image_folder)
 
 # %% auto #0
 __all__ = ['SHARD_MB', 'ILSVRC2012_COUNTS', 'read_val_mapping', 'prepare_val', 'hub_features', 'plan_shards', 'shard_table',
@@ -30,12 +47,16 @@ __all__ = ['SHARD_MB', 'ILSVRC2012_COUNTS', 'read_val_mapping', 'prepare_val', '
            'run_command', 'main']
 
 # %% ../notebooks/07b_preparing_imagenet.ipynb #b4c96ac6
-_MAPPING_FORMS = ("LOC_val_solution.csv (Kaggle), a text file of 'filename wnid' lines, or the devkit archive "
-                  "ILSVRC2012_devkit_t12.tar.gz")
+_MAPPING_FORMS = (
+    "LOC_val_solution.csv (Kaggle), a text file of 'filename wnid' lines, or the devkit archive "
+    "ILSVRC2012_devkit_t12.tar.gz"
+)
 _GROUND_TRUTH = "ILSVRC2012_validation_ground_truth.txt"
-_DEVKIT_HINT = (f"class numbers (the devkit's {_GROUND_TRUTH}) become folder names only through the devkit's "
-                "meta.mat: pass the devkit archive ILSVRC2012_devkit_t12.tar.gz as MAPPING instead "
-                "(or Kaggle's LOC_val_solution.csv)")
+_DEVKIT_HINT = (
+    f"class numbers (the devkit's {_GROUND_TRUTH}) become folder names only through the devkit's "
+    "meta.mat: pass the devkit archive ILSVRC2012_devkit_t12.tar.gz as MAPPING instead "
+    "(or Kaggle's LOC_val_solution.csv)"
+)
 
 
 def _image_stem(name: str) -> str:
@@ -69,17 +90,23 @@ def _mapping_text(path: Path) -> str:
             data = gzip.decompress(data)
         except (OSError, EOFError) as err:
             raise ValueError(f"{path} is a damaged gzip file ({error_reason(err)}): download it again") from None
-    for magic, what, how in [(b"PK\x03\x04", "a zip archive", f"unzip {path}"), (b"BZh", "bzip2-compressed",
-                             f"bunzip2 -k {path}"), (b"\xfd7zXZ\x00", "xz-compressed", f"unxz -k {path}")]:
+    for magic, what, how in [
+        (b"PK\x03\x04", "a zip archive", f"unzip {path}"),
+        (b"BZh", "bzip2-compressed", f"bunzip2 -k {path}"),
+        (b"\xfd7zXZ\x00", "xz-compressed", f"unxz -k {path}"),
+    ]:
         if data.startswith(magic):
-            raise ValueError(f"{path} is {what}, not a text file: decompress it ({how}) and pass the mapping file inside")
+            raise ValueError(
+                f"{path} is {what}, not a text file: decompress it ({how}) and pass the mapping file inside"
+            )
     if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
         return data.decode("utf-16")
     try:
         return data.decode("utf-8-sig")  # drops a byte-order mark, which would otherwise glue onto the first name
     except UnicodeDecodeError as err:
-        raise ValueError(f"{path} is not a text file (byte {err.start} is {data[err.start]:#04x}, not UTF-8): pass "
-                         f"{_MAPPING_FORMS}") from None
+        raise ValueError(
+            f"{path} is not a text file (byte {err.start} is {data[err.start]:#04x}, not UTF-8): pass {_MAPPING_FORMS}"
+        ) from None
 
 
 def _devkit_mapping(path: Path) -> dict[str, str]:
@@ -100,8 +127,10 @@ def _csv_fields(path: Path, lineno: int, line: str) -> list[str]:
     try:
         return next(csv.reader([line], strict=True), [])
     except csv.Error:
-        raise ValueError(f'{path}:{lineno}: a stray or unbalanced quote (") in {line[:60]!r}: remove it or close '
-                         "it; a quote would otherwise swallow the lines after it") from None
+        raise ValueError(
+            f'{path}:{lineno}: a stray or unbalanced quote (") in {line[:60]!r}: remove it or close '
+            "it; a quote would otherwise swallow the lines after it"
+        ) from None
 
 
 def read_val_mapping(path: str | os.PathLike) -> dict[str, str]:
@@ -150,7 +179,6 @@ def read_val_mapping(path: str | os.PathLike) -> dict[str, str]:
         raise ValueError(f"mapping file {path} has no entries: pass {_MAPPING_FORMS}")
     return mapping
 
-
 # %% ../notebooks/07b_preparing_imagenet.ipynb #bfa9fdf8
 def _examples(items: Sequence[str], k: int = 3) -> str:
     return ", ".join(sorted(items)[:k]) + (", …" if len(items) > k else "")
@@ -168,9 +196,15 @@ def _check_targets(todo: Sequence[tuple[Path, Path]], out: Path, val_dir: Path, 
             not_folders.add(folder)
         elif dst.exists() or dst.is_symlink():
             taken.append(str(dst))
-    problems = [f"{len(items)} {what} ({_examples([str(p) for p in items])})" for items, what in [
-        (taken, "targets already exist"), (not_folders, "class folders are files"),
-        (links, "class folders are symbolic links, so images would land wherever they point")] if items]
+    problems = [
+        f"{len(items)} {what} ({_examples([str(p) for p in items])})"
+        for items, what in [
+            (taken, "targets already exist"),
+            (not_folders, "class folders are files"),
+            (links, "class folders are symbolic links, so images would land wherever they point"),
+        ]
+        if items
+    ]
     if out.exists() and not out.is_dir():
         problems.append(f"{out} is a file, not a folder")
     probe = out
@@ -181,12 +215,20 @@ def _check_targets(todo: Sequence[tuple[Path, Path]], out: Path, val_dir: Path, 
     if locked:
         problems.append(f"{len(locked)} folders cannot be written ({_examples(locked)})")
     if problems:
-        raise DataLayoutError(f"cannot place every image in {out}: {'; '.join(problems)}; nothing was changed: "
-                              "remove or rename them, then run again (nothing is overwritten)")
+        raise DataLayoutError(
+            f"cannot place every image in {out}: {'; '.join(problems)}; nothing was changed: "
+            "remove or rename them, then run again (nothing is overwritten)"
+        )
 
 
-def prepare_val(val_dir: str | os.PathLike, mapping: str | os.PathLike | dict[str, str], apply: bool = False,
-                link: bool = False, out_dir: str | os.PathLike | None = None, log: Callable = print) -> dict:
+def prepare_val(
+    val_dir: str | os.PathLike,
+    mapping: str | os.PathLike | dict[str, str],
+    apply: bool = False,
+    link: bool = False,
+    out_dir: str | os.PathLike | None = None,
+    log: Callable = print,
+) -> dict:
     """Sort a flat ILSVRC2012 validation folder into `<wnid>/` class folders (07 §2, 07b §1).
 
     Dry run unless `apply`; idempotent; moves (or, with `link`, symlinks into `out_dir`), never
@@ -194,19 +236,26 @@ def prepare_val(val_dir: str | os.PathLike, mapping: str | os.PathLike | dict[st
     disagree, a class name is not a folder name, or a file could not be placed. Returns the counts."""
     val_dir = Path(val_dir).expanduser()
     if val_dir.is_file():
-        raise NotADirectoryError(f"{val_dir} is a file, not the validation folder: the arguments are VAL_DIR MAPPING, "
-                                 "in that order")
+        raise NotADirectoryError(
+            f"{val_dir} is a file, not the validation folder: the arguments are VAL_DIR MAPPING, in that order"
+        )
     if not val_dir.is_dir():
-        raise MissingPathError(f"validation folder {val_dir} does not exist: pass the folder of ILSVRC2012_val_*.JPEG files")
+        raise MissingPathError(
+            f"validation folder {val_dir} does not exist: pass the folder of ILSVRC2012_val_*.JPEG files"
+        )
     labels = mapping if isinstance(mapping, dict) else read_val_mapping(mapping)
     out = Path(out_dir).expanduser() if out_dir is not None else val_dir
     unusable = sorted({label for label in labels.values() if _class_name_problem(label)})
     if unusable:  # a dict, or any future source: the same check as a mapping file's lines and the devkit's names
-        raise DataLayoutError(f"the mapping names {len(unusable)} classes that cannot be folders of {out} (e.g. "
-                              f"{unusable[0]!r}: {_class_name_problem(unusable[0])}); nothing was changed")
+        raise DataLayoutError(
+            f"the mapping names {len(unusable)} classes that cannot be folders of {out} (e.g. "
+            f"{unusable[0]!r}: {_class_name_problem(unusable[0])}); nothing was changed"
+        )
     if link and out.resolve() == val_dir.resolve():
-        raise ValueError("--link keeps the original files where they are, so it needs --out DIR, a separate folder "
-                         "for the class folders")
+        raise ValueError(
+            "--link keeps the original files where they are, so it needs --out DIR, a separate folder "
+            "for the class folders"
+        )
     flat, placed, duplicates = {}, {}, []
     for entry in sorted(os.scandir(val_dir), key=lambda e: e.name):
         if entry.is_file() and is_image_name(entry.name):
@@ -221,8 +270,10 @@ def prepare_val(val_dir: str | os.PathLike, mapping: str | os.PathLike | dict[st
                     duplicates += [stem] if stem in placed or (stem in flat and out == val_dir) else []
                     placed[stem] = (cls.name, Path(entry.path))
     if duplicates:
-        raise DataLayoutError(f"{len(duplicates)} images appear twice under {val_dir} (e.g. {_examples(duplicates)}): "
-                              "remove the copies, then run again")
+        raise DataLayoutError(
+            f"{len(duplicates)} images appear twice under {val_dir} (e.g. {_examples(duplicates)}): "
+            "remove the copies, then run again"
+        )
     todo, done, missing, misplaced = [], 0, [], []
     for stem, label in labels.items():
         if stem in placed:
@@ -236,16 +287,31 @@ def prepare_val(val_dir: str | os.PathLike, mapping: str | os.PathLike | dict[st
             missing.append(stem)
     unlabelled = [s for s in list(flat) + list(placed) if s not in labels]
     if missing or unlabelled or misplaced:
-        problems = [f"{len(items)} {what} ({_examples(items)})" for items, what in
-                    [(unlabelled, "images have no label"), (missing, "labels have no image"),
-                     (misplaced, "images sit in the wrong class folder")] if items]
-        raise DataLayoutError(f"the mapping and {val_dir} disagree: {', '.join(problems)}; nothing was changed: "
-                              "check that the mapping is the ground truth of this validation folder")
+        problems = [
+            f"{len(items)} {what} ({_examples(items)})"
+            for items, what in [
+                (unlabelled, "images have no label"),
+                (missing, "labels have no image"),
+                (misplaced, "images sit in the wrong class folder"),
+            ]
+            if items
+        ]
+        raise DataLayoutError(
+            f"the mapping and {val_dir} disagree: {', '.join(problems)}; nothing was changed: "
+            "check that the mapping is the ground truth of this validation folder"
+        )
     verb = "link" if link else "move"
-    counts = {"images": len(labels), "classes": len(set(labels.values())), f"to_{verb}": len(todo),
-              "already_in_place": done, "applied": bool(apply and todo)}
-    log(f"{val_dir}: {counts['images']} labelled images in {counts['classes']} classes; "
-        f"already in their class folder: {done}; to {verb}: {len(todo)}")
+    counts = {
+        "images": len(labels),
+        "classes": len(set(labels.values())),
+        f"to_{verb}": len(todo),
+        "already_in_place": done,
+        "applied": bool(apply and todo),
+    }
+    log(
+        f"{val_dir}: {counts['images']} labelled images in {counts['classes']} classes; "
+        f"already in their class folder: {done}; to {verb}: {len(todo)}"
+    )
     if not todo:
         log("nothing to do: every image is in its class folder")
         return counts
@@ -261,7 +327,9 @@ def prepare_val(val_dir: str | os.PathLike, mapping: str | os.PathLike | dict[st
             os.symlink(src.resolve(), dst)
         else:
             shutil.move(str(src), str(dst))  # a rename within one file system
-    log(f"{'linked' if link else 'moved'} {len(todo)} images into {len({d.parent for _, d in todo})} class folders of {out}")
+    log(
+        f"{'linked' if link else 'moved'} {len(todo)} images into {len({d.parent for _, d in todo})} class folders of {out}"
+    )
     return counts
 
 # %% ../notebooks/07b_preparing_imagenet.ipynb #7e9b002e
@@ -275,8 +343,10 @@ def _check_free_space(folder: Path, needed: int, what: str) -> None:
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     if needed > free:
-        raise DataSourceError(f"{what} needs {format_size(needed)} in {folder} but its disk has {format_size(free)} free: "
-                              "free some space or choose another output folder")
+        raise DataSourceError(
+            f"{what} needs {format_size(needed)} in {folder} but its disk has {format_size(free)} free: "
+            "free some space or choose another output folder"
+        )
 
 
 def hub_features(classes: Sequence[str]):
@@ -319,8 +389,14 @@ def _complete_shard(path: Path, rows: int, schema) -> bool:
         return False
 
 
-def write_shards(root: str | os.PathLike, out_dir: str | os.PathLike, shard_mb: float = SHARD_MB,
-                 rows_per_group: int = 100, log: Callable = print, progress_interval: float = 30.0) -> dict:
+def write_shards(
+    root: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    shard_mb: float = SHARD_MB,
+    rows_per_group: int = 100,
+    log: Callable = print,
+    progress_interval: float = 30.0,
+) -> dict:
     """Write an ImageNet-layout folder as parquet shards with the Hub's schema (07b §2).
 
     `out_dir/data/{train,validation}-KKKKK-of-NNNNN.parquet`, rows in `scan_image_folder` order (row i
@@ -347,17 +423,23 @@ def write_shards(root: str | os.PathLike, out_dir: str | os.PathLike, shard_mb: 
     for split, split_dir, samples in (("train", train_dir, train), ("validation", val_dir, val)):
         sizes = [os.path.getsize(p) for p, _ in samples]
         ranges = plan_shards(sizes, shard_mb * 1e6)
-        plans += [(split, split_dir, samples, sizes, r, f"{split}-{k:05d}-of-{len(ranges):05d}.parquet")
-                  for k, r in enumerate(ranges)]
+        plans += [
+            (split, split_dir, samples, sizes, r, f"{split}-{k:05d}-of-{len(ranges):05d}.parquet")
+            for k, r in enumerate(ranges)
+        ]
     shards = {p.name for p in out.glob("*.parquet") if not p.name.startswith(".")} if out.is_dir() else set()
     stale = sorted(shards - {plan[-1] for plan in plans})
     if stale:
-        raise DataLayoutError(f"{out} holds shards of another run ({', '.join(stale[:2])}{', …' if len(stale) > 2 else ''}): "
-                              "delete them or choose another output folder")
+        raise DataLayoutError(
+            f"{out} holds shards of another run ({', '.join(stale[:2])}{', …' if len(stale) > 2 else ''}): "
+            "delete them or choose another output folder"
+        )
     todo = [plan for plan in plans if not _complete_shard(out / plan[-1], plan[4][1] - plan[4][0], schema)]
     needed = sum(sum(sizes[a:b]) for _, _, _, sizes, (a, b), _ in todo)
-    log(f"{root}: {len(train)} train + {len(val)} val images, {len(classes)} classes → {len(plans)} shards of about "
-        f"{shard_mb:g} MB in {out}; {len(plans) - len(todo)} already complete, {format_size(needed)} to write")
+    log(
+        f"{root}: {len(train)} train + {len(val)} val images, {len(classes)} classes → {len(plans)} shards of about "
+        f"{shard_mb:g} MB in {out}; {len(plans) - len(todo)} already complete, {format_size(needed)} to write"
+    )
     _check_free_space(out, needed, "writing the shards")
     out.mkdir(parents=True, exist_ok=True)
     for leftover in out.glob(".tmp-*"):  # a shard an interrupted run was writing
@@ -372,11 +454,15 @@ def write_shards(root: str | os.PathLike, out_dir: str | os.PathLike, shard_mb: 
                 progress.update(sum(sizes[first:last]))
         os.replace(tmp, out / name)  # complete: appears under its final name
     progress.close()
-    counts = {split: sum(pq.read_metadata(out / name).num_rows for s, *_, name in plans if s == split)
-              for split in ("train", "validation")}
+    counts = {
+        split: sum(pq.read_metadata(out / name).num_rows for s, *_, name in plans if s == split)
+        for split in ("train", "validation")
+    }
     if counts != {"train": len(train), "validation": len(val)}:
-        raise DataLayoutError(f"the shards in {out} hold {counts}, not {len(train)} train and {len(val)} val rows: "
-                              "delete them and run again")
+        raise DataLayoutError(
+            f"the shards in {out} hold {counts}, not {len(train)} train and {len(val)} val rows: "
+            "delete them and run again"
+        )
     return {**counts, "classes": len(classes), "shards": len(plans), "written": len(todo), "out": str(out)}
 
 # %% ../notebooks/07b_preparing_imagenet.ipynb #deac18a0
@@ -386,11 +472,12 @@ ILSVRC2012_COUNTS = {"classes": 1000, "train": 1_281_167, "val": 50_000}
 @dataclass
 class Devkit:
     """What `ILSVRC2012_devkit_t12.tar.gz` says: the classes in devkit order and the validation labels."""
-    wnids: list[str]                # wnids[k - 1] is the class of ILSVRC2012_ID k
-    words: dict[str, str]           # wnid → its words ("tench, Tinca tinca")
-    train_counts: dict[str, int]    # wnid → declared number of training images
-    val_ids: list[int]              # line k: ILSVRC2012_ID of ILSVRC2012_val_0000000k.JPEG
-    official: bool                  # the archive torchvision knows (same MD5)
+
+    wnids: list[str]  # wnids[k - 1] is the class of ILSVRC2012_ID k
+    words: dict[str, str]  # wnid → its words ("tench, Tinca tinca")
+    train_counts: dict[str, int]  # wnid → declared number of training images
+    val_ids: list[int]  # line k: ILSVRC2012_ID of ILSVRC2012_val_0000000k.JPEG
+    official: bool  # the archive torchvision knows (same MD5)
 
 
 def _devkit_files(path: Path) -> tuple[bytes, bytes]:
@@ -399,8 +486,10 @@ def _devkit_files(path: Path) -> tuple[bytes, bytes]:
     if path.is_dir():
         found = [next(path.rglob(n), None) for n in names]
         if None in found:
-            raise DataLayoutError(f"{path} has no {' or '.join(n for n, f in zip(names, found) if f is None)}: "
-                                  "it is not the ILSVRC2012 devkit")
+            raise DataLayoutError(
+                f"{path} has no {' or '.join(n for n, f in zip(names, found) if f is None)}: "
+                "it is not the ILSVRC2012 devkit"
+            )
         return found[0].read_bytes(), found[1].read_bytes()
     try:
         with tarfile.open(path, "r:*") as tar:
@@ -426,8 +515,9 @@ def read_devkit(path: str | os.PathLike) -> Devkit:
     try:
         import scipy.io
     except ImportError:
-        raise DataSourceError('reading the ILSVRC2012 devkit (meta.mat) needs scipy: pip install -e ".[hub]" '
-                              "(or pip install scipy)") from None
+        raise DataSourceError(
+            'reading the ILSVRC2012 devkit (meta.mat) needs scipy: pip install -e ".[hub]" (or pip install scipy)'
+        ) from None
     path = Path(path)
     meta_bytes, truth_bytes = _devkit_files(path)
     try:
@@ -442,20 +532,29 @@ def read_devkit(path: str | os.PathLike) -> Devkit:
     wnids = [str(by_id[k]["WNID"]) for k in range(1, len(leaves) + 1)]
     for k, wnid in enumerate(wnids, start=1):  # they become folder names: the check every class name passes (§1)
         if _class_name_problem(wnid):
-            raise DataLayoutError(f"{path}: meta.mat names class {k} {wnid!r}, which cannot be a class folder name "
-                                  f"({_class_name_problem(wnid)}): this is not a usable devkit, download it again")
+            raise DataLayoutError(
+                f"{path}: meta.mat names class {k} {wnid!r}, which cannot be a class folder name "
+                f"({_class_name_problem(wnid)}): this is not a usable devkit, download it again"
+            )
         if wnids.index(wnid) != k - 1:
-            raise DataLayoutError(f"{path}: meta.mat names classes {wnids.index(wnid) + 1} and {k} both {wnid}: this "
-                                  "is not a usable devkit, download it again")
+            raise DataLayoutError(
+                f"{path}: meta.mat names classes {wnids.index(wnid) + 1} and {k} both {wnid}: this "
+                "is not a usable devkit, download it again"
+            )
     if not all(t.isdigit() and 1 <= int(t) <= len(wnids) for t in truth):
         bad = next(t for t in truth if not (t.isdigit() and 1 <= int(t) <= len(wnids)))
-        raise DataLayoutError(f"{path}: the validation ground truth holds {bad!r}, not a class number 1…{len(wnids)}: "
-                              "this is not a usable devkit, download it again")
+        raise DataLayoutError(
+            f"{path}: the validation ground truth holds {bad!r}, not a class number 1…{len(wnids)}: "
+            "this is not a usable devkit, download it again"
+        )
     digest = hashlib.md5(path.read_bytes()).hexdigest() if path.is_file() else None
-    return Devkit(wnids=wnids, words={str(s["WNID"]): str(s["words"]) for s in leaves},
-                  train_counts={str(s["WNID"]): int(s["num_train_images"]) for s in leaves},
-                  val_ids=[int(t) for t in truth], official=digest == ARCHIVE_META["devkit"][1])
-
+    return Devkit(
+        wnids=wnids,
+        words={str(s["WNID"]): str(s["words"]) for s in leaves},
+        train_counts={str(s["WNID"]): int(s["num_train_images"]) for s in leaves},
+        val_ids=[int(t) for t in truth],
+        official=digest == ARCHIVE_META["devkit"][1],
+    )
 
 # %% ../notebooks/07b_preparing_imagenet.ipynb #87560046
 _VAL_NAME = re.compile(r"^ILSVRC2012_val_(\d{8})\.JPEG$")
@@ -492,14 +591,16 @@ def _remove_leftover(path: Path) -> None:
         else:
             shutil.rmtree(path)
     except OSError as err:
-        raise DataLayoutError(f"cannot remove {path}, left by an interrupted run ({error_reason(err)}): remove it by hand, "
-                              "then run the same command again") from None
+        raise DataLayoutError(
+            f"cannot remove {path}, left by an interrupted run ({error_reason(err)}): remove it by hand, "
+            "then run the same command again"
+        ) from None
 
 
 def _own_file(path: Path, top: Path) -> bool:
     """`path` is a file reached from `top` through no symbolic link (a resumed run keeps only what it wrote itself)."""
     chain = [path, *path.parents]
-    chain = chain[:chain.index(top) + 1] if top in chain else chain
+    chain = chain[: chain.index(top) + 1] if top in chain else chain
     return path.is_file() and not any(p.is_symlink() for p in chain)
 
 
@@ -513,25 +614,30 @@ def verify_unpacked(out_dir: str | os.PathLike, devkit: Devkit) -> dict:
     train_per_class = Counter(classes[y] for _, y in train)
     problems = []
     if classes != sorted(devkit.wnids) or val_classes != classes:
-        problems.append(f"{len(classes)} train and {len(val_classes)} val class folders for {len(devkit.wnids)} classes")
+        problems.append(
+            f"{len(classes)} train and {len(val_classes)} val class folders for {len(devkit.wnids)} classes"
+        )
     wrong = [w for w in devkit.wnids if devkit.train_counts.get(w) and train_per_class[w] != devkit.train_counts[w]]
     if wrong:
-        problems.append(f"{len(wrong)} classes hold another number of training images than the devkit declares "
-                        f"(e.g. {wrong[0]}: {train_per_class[wrong[0]]}, not {devkit.train_counts[wrong[0]]})")
+        problems.append(
+            f"{len(wrong)} classes hold another number of training images than the devkit declares "
+            f"(e.g. {wrong[0]}: {train_per_class[wrong[0]]}, not {devkit.train_counts[wrong[0]]})"
+        )
     if Counter(val_classes[y] for _, y in val) != Counter(devkit.wnids[i - 1] for i in devkit.val_ids):
         problems.append("the validation images per class differ from the ground truth")
     counts = {"classes": len(classes), "train": len(train), "val": len(val)}
     if devkit.official and counts != ILSVRC2012_COUNTS:
         problems.append(f"found {counts}, ILSVRC2012 has {ILSVRC2012_COUNTS}")
     if problems:
-        raise DataLayoutError(f"{out} does not match the archives: {'; '.join(problems)}: delete {out} and run "
-                              "from-archives again")
+        raise DataLayoutError(
+            f"{out} does not match the archives: {'; '.join(problems)}: delete {out} and run from-archives again"
+        )
     return counts
 
-
 # %% ../notebooks/07b_preparing_imagenet.ipynb #0ec9d318
-def from_archives(archive_dir: str | os.PathLike, out_dir: str | os.PathLike, log: Callable = print,
-                  progress_interval: float = 30.0) -> dict:
+def from_archives(
+    archive_dir: str | os.PathLike, out_dir: str | os.PathLike, log: Callable = print, progress_interval: float = 30.0
+) -> dict:
     """Unpack the three official ILSVRC2012 archives into `out_dir/{train,val}/<wnid>/*.JPEG` (07b §3).
 
     Checks before writing anything (files, classes, validation names, free disk), never changes the
@@ -541,55 +647,77 @@ def from_archives(archive_dir: str | os.PathLike, out_dir: str | os.PathLike, lo
 
     archive_dir, out = Path(archive_dir).expanduser(), Path(out_dir).expanduser()
     if not archive_dir.is_dir():
-        raise MissingPathError(f"archive folder {archive_dir} does not exist: pass the folder that holds "
-                               f"{', '.join(OFFICIAL_ARCHIVES)}")
+        raise MissingPathError(
+            f"archive folder {archive_dir} does not exist: pass the folder that holds {', '.join(OFFICIAL_ARCHIVES)}"
+        )
     paths = dict(zip(("train", "val", "devkit"), (archive_dir / name for name in OFFICIAL_ARCHIVES)))
     missing = [p.name for p in paths.values() if not p.is_file()]
     if missing:
-        raise MissingPathError(f"{archive_dir} has no {', '.join(missing)} (it holds: {folder_listing(archive_dir)}): "
-                               "download the ILSVRC2012 archives from image-net.org into it")
+        raise MissingPathError(
+            f"{archive_dir} has no {', '.join(missing)} (it holds: {folder_listing(archive_dir)}): "
+            "download the ILSVRC2012 archives from image-net.org into it"
+        )
     devkit = read_devkit(paths["devkit"])
     try:
         return _unpack_archives(paths, devkit, out, log, progress_interval)
     except (tarfile.TarError, EOFError) as err:  # a truncated or damaged download
-        raise DataLayoutError(f"an archive in {archive_dir} is damaged ({error_reason(err)}): download it again, then run "
-                              "the same command (what was unpacked is kept)") from None
+        raise DataLayoutError(
+            f"an archive in {archive_dir} is damaged ({error_reason(err)}): download it again, then run "
+            "the same command (what was unpacked is kept)"
+        ) from None
 
 
-def _unpack_archives(paths: dict[str, Path], devkit: Devkit, out: Path, log: Callable, progress_interval: float) -> dict:
+def _unpack_archives(
+    paths: dict[str, Path], devkit: Devkit, out: Path, log: Callable, progress_interval: float
+) -> dict:
     import tarfile
 
     classes = sorted(devkit.wnids)
     train_dir, val_dir, val_tmp = out / "train", out / "val", out / ".tmp-val"
     with tarfile.open(paths["train"], "r:") as train_tar, tarfile.open(paths["val"], "r:") as val_tar:
         # 1. everything that can be checked before writing: the archives' listings (headers only) and the disk
-        class_tars = {Path(m.name).name[:-4]: m for m in train_tar.getmembers() if m.isfile() and m.name.endswith(".tar")}
+        class_tars = {
+            Path(m.name).name[:-4]: m for m in train_tar.getmembers() if m.isfile() and m.name.endswith(".tar")
+        }
         if set(class_tars) != set(classes):
             extra, absent = sorted(set(class_tars) - set(classes)), sorted(set(classes) - set(class_tars))
-            raise DataLayoutError(f"{paths['train'].name} holds {len(class_tars)} class tars and the devkit lists "
-                                  f"{len(classes)} classes (only in the tar: {extra[:3]}, only in the devkit: "
-                                  f"{absent[:3]}): the train archive and the devkit do not match")
+            raise DataLayoutError(
+                f"{paths['train'].name} holds {len(class_tars)} class tars and the devkit lists "
+                f"{len(classes)} classes (only in the tar: {extra[:3]}, only in the devkit: "
+                f"{absent[:3]}): the train archive and the devkit do not match"
+            )
         val_members = [m for m in val_tar.getmembers() if m.isfile()]
         numbers = [_VAL_NAME.match(Path(m.name).name) for m in val_members]
         if not all(numbers) or sorted(int(n.group(1)) for n in numbers) != list(range(1, len(devkit.val_ids) + 1)):
-            raise DataLayoutError(f"{paths['val'].name} holds {len(val_members)} files and the ground truth labels "
-                                  f"{len(devkit.val_ids)} images (ILSVRC2012_val_00000001.JPEG …): the validation "
-                                  "archive and the devkit do not match")
-        val_dst = {m.name: val_tmp / devkit.wnids[devkit.val_ids[int(n.group(1)) - 1] - 1] / Path(m.name).name
-                   for m, n in zip(val_members, numbers)}
-        foreign = [n for n in (os.listdir(train_dir) if train_dir.is_dir() else [])
-                   if n not in class_tars and not n.startswith(".tmp-")]
+            raise DataLayoutError(
+                f"{paths['val'].name} holds {len(val_members)} files and the ground truth labels "
+                f"{len(devkit.val_ids)} images (ILSVRC2012_val_00000001.JPEG …): the validation "
+                "archive and the devkit do not match"
+            )
+        val_dst = {
+            m.name: val_tmp / devkit.wnids[devkit.val_ids[int(n.group(1)) - 1] - 1] / Path(m.name).name
+            for m, n in zip(val_members, numbers)
+        }
+        foreign = [
+            n
+            for n in (os.listdir(train_dir) if train_dir.is_dir() else [])
+            if n not in class_tars and not n.startswith(".tmp-")
+        ]
         if foreign:
-            raise DataLayoutError(f"{train_dir} holds folders that are not classes of these archives ({foreign[:3]}): "
-                                  "choose an empty output folder")
+            raise DataLayoutError(
+                f"{train_dir} holds folders that are not classes of these archives ({foreign[:3]}): "
+                "choose an empty output folder"
+            )
         done = {w for w in classes if (train_dir / w).is_dir()}
         val_left = [] if val_dir.is_dir() else [m for m in val_members if not _own_file(val_dst[m.name], val_tmp)]
         to_read = sum(class_tars[w].size for w in classes if w not in done) + sum(m.size for m in val_left)
         files_left = sum(devkit.train_counts[w] for w in classes if w not in done) + len(val_left)
         needed = to_read + 4096 * files_left  # the images, plus up to one file-system block per file
-        log(f"{paths['train'].parent}: {len(classes)} classes, {sum(devkit.train_counts.values()):,} train + "
+        log(
+            f"{paths['train'].parent}: {len(classes)} classes, {sum(devkit.train_counts.values()):,} train + "
             f"{len(val_members):,} val images; already in {out}: {len(done)} classes"
-            f"{' and val' if val_dir.is_dir() else ''}; needs {format_size(needed)} of disk")
+            f"{' and val' if val_dir.is_dir() else ''}; needs {format_size(needed)} of disk"
+        )
         _check_free_space(out, needed, "unpacking the archives")
         # 2. train: each class into .tmp-<wnid>, renamed when complete
         progress = Progress(to_read, "from-archives", unit="B", interval=progress_interval, summary=True)
@@ -603,8 +731,10 @@ def _unpack_archives(paths: dict[str, Path], devkit: Devkit, out: Path, log: Cal
             tmp.mkdir()
             count = _unpack_class(train_tar, class_tars[wnid], tmp)
             if devkit.train_counts.get(wnid) and count != devkit.train_counts[wnid]:
-                raise DataLayoutError(f"{class_tars[wnid].name} holds {count} images, the devkit declares "
-                                      f"{devkit.train_counts[wnid]}: the train archive is damaged, download it again")
+                raise DataLayoutError(
+                    f"{class_tars[wnid].name} holds {count} images, the devkit declares "
+                    f"{devkit.train_counts[wnid]}: the train archive is damaged, download it again"
+                )
             os.rename(tmp, train_dir / wnid)  # the class appears complete or not at all
             progress.update(class_tars[wnid].size)
         # 3. val: sorted into .tmp-val/<wnid>/, renamed to val/ when every image is in place
@@ -619,21 +749,28 @@ def _unpack_archives(paths: dict[str, Path], devkit: Devkit, out: Path, log: Cal
             os.rename(val_tmp, val_dir)
         progress.close()
     counts = verify_unpacked(out, devkit)
-    log(f"verified: {counts['classes']} classes, {counts['train']:,} train and {counts['val']:,} val images, as the "
-        f"devkit declares{' (ILSVRC2012: complete)' if devkit.official else ''}")
+    log(
+        f"verified: {counts['classes']} classes, {counts['train']:,} train and {counts['val']:,} val images, as the "
+        f"devkit declares{' (ILSVRC2012: complete)' if devkit.official else ''}"
+    )
     return counts
 
 # %% ../notebooks/07b_preparing_imagenet.ipynb #cd8e8b10
 def get_args_parser() -> argparse.ArgumentParser:
     """`python -m tutorial_lib.data {prepare-val,shard,from-archives}`: 00a's conventions (flags with
     underscores, every default in `--help`, values checked where declared, one-line errors)."""
-    parser = OneLineParser(prog="python -m tutorial_lib.data", description="07b's data tools", formatter_class=HelpFormatter)
+    parser = OneLineParser(
+        prog="python -m tutorial_lib.data", description="07b's data tools", formatter_class=HelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     command = lambda name, help: sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)  # noqa: E731
     prep = command("prepare-val", "sort a flat ILSVRC2012 val folder into class folders (dry run by default)")
     prep.add_argument("val_dir", help="folder of ILSVRC2012_val_*.JPEG files")
-    prep.add_argument("mapping", help="LOC_val_solution.csv (Kaggle), a text file of 'filename wnid' lines (also .gz), "
-                      "or the devkit ILSVRC2012_devkit_t12.tar.gz (its class numbers mapped to wnids by its meta.mat)")
+    prep.add_argument(
+        "mapping",
+        help="LOC_val_solution.csv (Kaggle), a text file of 'filename wnid' lines (also .gz), "
+        "or the devkit ILSVRC2012_devkit_t12.tar.gz (its class numbers mapped to wnids by its meta.mat)",
+    )
     prep.add_argument("--apply", action="store_true", help="do it (default: only print what would be done)")
     prep.add_argument("--link", action="store_true", help="symlink into --out instead of moving")
     prep.add_argument("--out", default=None, help="folder for the class folders (default: VAL_DIR itself)")
@@ -645,8 +782,12 @@ def get_args_parser() -> argparse.ArgumentParser:
     archives.add_argument("archive_dir", help="folder that holds " + ", ".join(OFFICIAL_ARCHIVES))
     archives.add_argument("out", help="output folder; train/ and val/ go there")
     for each in (shard, archives):
-        each.add_argument("--progress_interval", type=positive_float, default=30.0,
-                          help="seconds between progress lines when the output is not a terminal")
+        each.add_argument(
+            "--progress_interval",
+            type=positive_float,
+            default=30.0,
+            help="seconds between progress lines when the output is not a terminal",
+        )
     return parser
 
 

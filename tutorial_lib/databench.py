@@ -8,17 +8,15 @@ import json
 import os
 import random
 import shutil
-import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from .cli import (HelpFormatter, OneLineParser, cli_main, non_negative_int, positive_int,
-                              run_on_user_files)
+from .cli import HelpFormatter, OneLineParser, cli_main, non_negative_int, positive_int, run_on_user_files
 from .core import in_notebook
 from .data import hub_features, shard_table
 from .decoding import decode_rgb
@@ -60,8 +58,12 @@ def benchmark_pipelines(img_size: int = 224) -> dict[str, Callable[[str], Tensor
 
     classic_train, classic_val = classic_transforms(img_size)
     ours_train, ours_val = pipeline_transforms("fast", img_size, img_size)  # as the datasets decode
-    return {"baseline_train": partial(_apply_pil, classic_train), "ours_train": partial(_apply_bytes, ours_train),
-            "baseline_val": partial(_apply_pil, classic_val), "ours_val": partial(_apply_bytes, ours_val)}
+    return {
+        "baseline_train": partial(_apply_pil, classic_train),
+        "ours_train": partial(_apply_bytes, ours_train),
+        "baseline_val": partial(_apply_pil, classic_val),
+        "ours_val": partial(_apply_bytes, ours_val),
+    }
 
 
 class _CpuClock:
@@ -81,9 +83,17 @@ class _CpuClock:
         return out
 
 # %% ../notebooks/07e_data_benchmarks.ipynb #58b8e617
-def run_data_benchmark(data_dir: str | os.PathLike, workers: int = 1, img_size: int = 224, batch_size: int = 25,
-                       max_images: int | None = None, repeats: int = 2, rounds: int = 5, seed: int = 0,
-                       parquet: bool = True) -> dict:
+def run_data_benchmark(
+    data_dir: str | os.PathLike,
+    workers: int = 1,
+    img_size: int = 224,
+    batch_size: int = 25,
+    max_images: int | None = None,
+    repeats: int = 2,
+    rounds: int = 5,
+    seed: int = 0,
+    parquet: bool = True,
+) -> dict:
     """Images per second per worker of the torchvision default pipeline and ours, train and val (07e §2).
 
     Every pipeline reads the same files (`repeats` times per pass) through a `DataLoader` with
@@ -106,20 +116,33 @@ def run_data_benchmark(data_dir: str | os.PathLike, workers: int = 1, img_size: 
         raise ValueError(f"need workers >= 0, rounds >= 1 and repeats >= 1, got {workers}, {rounds}, {repeats}")
     files = list_images(data_dir)[:max_images]
     items = files * repeats
-    clocks = {name: _CpuClock(stack_images if name.startswith("ours") else default_collate)  # baseline: torch's default
-              for name in benchmark_pipelines(img_size)}
-    loaders = {name: DataLoader(_FileListDataset(items, fn), batch_size=batch_size, num_workers=workers,
-                                persistent_workers=workers > 0, collate_fn=clocks[name])
-               for name, fn in benchmark_pipelines(img_size).items()}
+    clocks = {
+        name: _CpuClock(stack_images if name.startswith("ours") else default_collate)  # baseline: torch's default
+        for name in benchmark_pipelines(img_size)
+    }
+    loaders = {
+        name: DataLoader(
+            _FileListDataset(items, fn),
+            batch_size=batch_size,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            collate_fn=clocks[name],
+        )
+        for name, fn in benchmark_pipelines(img_size).items()
+    }
     tmp = None
     if parquet and importlib.util.find_spec("datasets") is not None:
         tmp = Path(tempfile.mkdtemp(prefix="data-bench-"))
         records = benchmark_records(items, data_dir, tmp)
         for split, transform in zip(("train", "val"), pipeline_transforms("fast", img_size, img_size)):
             clocks[f"parquet_{split}"] = _CpuClock(_stack_sample_images)
-            loaders[f"parquet_{split}"] = DataLoader(ImageDataset(RecordReader(records, name=str(tmp)), transform),
-                                                     batch_size=batch_size, num_workers=workers,
-                                                     persistent_workers=workers > 0, collate_fn=clocks[f"parquet_{split}"])
+            loaders[f"parquet_{split}"] = DataLoader(
+                ImageDataset(RecordReader(records, name=str(tmp)), transform),
+                batch_size=batch_size,
+                num_workers=workers,
+                persistent_workers=workers > 0,
+                collate_fn=clocks[f"parquet_{split}"],
+            )
     try:
         for loader in loaders.values():  # warm-up: start the workers, bring the files into the page cache
             for _ in loader:
@@ -148,21 +171,33 @@ def run_data_benchmark(data_dir: str | os.PathLike, workers: int = 1, img_size: 
         result[f"{split}_cpu_speedup"] = round(result[f"ours_{split}_cpu_ips"] / result[f"baseline_{split}_cpu_ips"], 2)
         if f"parquet_{split}_ips" in result:
             result[f"{split}_parquet_ratio"] = round(result[f"parquet_{split}_ips"] / result[f"ours_{split}_ips"], 2)
-            result[f"{split}_parquet_cpu_ratio"] = round(result[f"parquet_{split}_cpu_ips"] / result[f"ours_{split}_cpu_ips"], 2)
-    result.update(workers=workers, images=len(files), repeats=repeats, rounds=rounds, img_size=img_size,
-                  data_dir=str(data_dir))
+            result[f"{split}_parquet_cpu_ratio"] = round(
+                result[f"parquet_{split}_cpu_ips"] / result[f"ours_{split}_cpu_ips"], 2
+            )
+    result.update(
+        workers=workers, images=len(files), repeats=repeats, rounds=rounds, img_size=img_size, data_dir=str(data_dir)
+    )
     return result
 
 # %% ../notebooks/07e_data_benchmarks.ipynb #747b779f
 def format_data_benchmark(result: dict) -> str:
     """The benchmark as a table, then one JSON line (the last line, for scripts)."""
     parquet = "parquet_train_ips" in result
-    lines = [f"data pipeline benchmark: {result['images']} images × {result['repeats']} from {result['data_dir']}, "
-             f"{result['workers']} worker(s), {result['img_size']} px, best of {result['rounds']} alternating rounds"
-             + (f"; parquet: the same {result['images'] * result['repeats']} records in one parquet file" if parquet else ""),
-             "images/s per worker: wall clock (the *_ips keys) and, in brackets, per CPU-second of a worker (*_cpu_ips); "
-             "speed-up: ours (files) ÷ torchvision default"]
-    columns = ["torchvision default", "ours, files"] + ["ours, parquet"] * parquet + ["speed-up"] + ["parquet ÷ files"] * parquet
+    lines = [
+        f"data pipeline benchmark: {result['images']} images × {result['repeats']} from {result['data_dir']}, "
+        f"{result['workers']} worker(s), {result['img_size']} px, best of {result['rounds']} alternating rounds"
+        + (
+            f"; parquet: the same {result['images'] * result['repeats']} records in one parquet file" if parquet else ""
+        ),
+        "images/s per worker: wall clock (the *_ips keys) and, in brackets, per CPU-second of a worker (*_cpu_ips); "
+        "speed-up: ours (files) ÷ torchvision default",
+    ]
+    columns = (
+        ["torchvision default", "ours, files"]
+        + ["ours, parquet"] * parquet
+        + ["speed-up"]
+        + ["parquet ÷ files"] * parquet
+    )
     lines.append(f"{'split':<6}" + "".join(f"{c:>21}" for c in columns))
     for split in ("train", "val"):
         rates = ["baseline", "ours"] + ["parquet"] * parquet
@@ -193,7 +228,7 @@ def benchmark_records(files: Sequence[str], data_dir: str | os.PathLike, folder:
     samples = [(f, classes.index(Path(f).parent.name)) for f in files]
     with pq.ParquetWriter(path, schema, compression="none", use_dictionary=False) as writer:
         for first in range(0, len(samples), 100):
-            writer.write_table(shard_table(samples[first:first + 100], Path(data_dir), schema))
+            writer.write_table(shard_table(samples[first : first + 100], Path(data_dir), schema))
     shown = not datasets.are_progress_bars_disabled()
     datasets.disable_progress_bars()  # a benchmark prints its table, not the conversion's progress
     try:
@@ -219,8 +254,13 @@ def decode_jpegs_on_cuda(encoded: Sequence[Tensor], device: torch.device) -> lis
     return decode_jpeg(list(encoded), mode=ImageReadMode.RGB, device=device)
 
 
-def decode_batch_on_device(items: Sequence[Tensor], img_size: int, train: bool, device: str | torch.device = "cuda",
-                           scale: tuple[float, float] = (0.08, 1.0)) -> Tensor:
+def decode_batch_on_device(
+    items: Sequence[Tensor],
+    img_size: int,
+    train: bool,
+    device: str | torch.device = "cuda",
+    scale: tuple[float, float] = (0.08, 1.0),
+) -> Tensor:
     """Decode (nvjpeg on CUDA), crop and resize a `pipeline="gpu"` batch into `uint8` (B, 3, size, size).
 
     Train: RandomResizedCrop + flip; val: Resize + CenterCrop. On a non-CUDA device JPEGs are decoded on
@@ -248,16 +288,21 @@ def decode_batch_on_device(items: Sequence[Tensor], img_size: int, train: bool, 
 def get_args_parser() -> argparse.ArgumentParser:
     """`python -m tutorial_lib.databench`: 00a's conventions (flags with underscores, every default in `--help`,
     values checked where declared, one-line errors)."""
-    parser = OneLineParser(prog="python -m tutorial_lib.databench", formatter_class=HelpFormatter,
-                           description="torchvision's default input pipeline against 07's, images/s per worker "
-                                       "(07e); ends with one JSON line")
+    parser = OneLineParser(
+        prog="python -m tutorial_lib.databench",
+        formatter_class=HelpFormatter,
+        description="torchvision's default input pipeline against 07's, images/s per worker "
+        "(07e); ends with one JSON line",
+    )
     parser.add_argument("--data_dir", required=True, help="folder of images (any depth)")
     parser.add_argument("--workers", type=non_negative_int, default=1, help="DataLoader worker processes")
     parser.add_argument("--img_size", type=positive_int, default=224, help="crop size")
     parser.add_argument("--batch_size", type=positive_int, default=25, help="images per batch")
     parser.add_argument("--max_images", type=positive_int, default=None, help="use at most this many files")
     parser.add_argument("--repeats", type=positive_int, default=2, help="passes over the files per timed round")
-    parser.add_argument("--rounds", type=positive_int, default=5, help="alternating timed rounds; the best of each is kept")
+    parser.add_argument(
+        "--rounds", type=positive_int, default=5, help="alternating timed rounds; the best of each is kept"
+    )
     parser.add_argument("--no_parquet", action="store_true", help="leave out the parquet rows (they need 🤗 datasets)")
     return parser
 
@@ -265,9 +310,20 @@ def get_args_parser() -> argparse.ArgumentParser:
 def run_command(args: argparse.Namespace) -> int | None:
     """What `python -m tutorial_lib.databench` does with its flags; a missing folder or one without images is a
     `UserError` (one line, exit status 2)."""
-    return run_on_user_files(lambda: print_data_benchmark(run_data_benchmark(
-        os.path.expanduser(args.data_dir), workers=args.workers, img_size=args.img_size, batch_size=args.batch_size,
-        max_images=args.max_images, repeats=args.repeats, rounds=args.rounds, parquet=not args.no_parquet)))
+    return run_on_user_files(
+        lambda: print_data_benchmark(
+            run_data_benchmark(
+                os.path.expanduser(args.data_dir),
+                workers=args.workers,
+                img_size=args.img_size,
+                batch_size=args.batch_size,
+                max_images=args.max_images,
+                repeats=args.repeats,
+                rounds=args.rounds,
+                parquet=not args.no_parquet,
+            )
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from .sources import UnreadableImageError, error_reason, unreadable_image, read_bytes
+from .sources import UnreadableImageError, error_reason, read_bytes, unreadable_image
 from .transforms import decode_fast, jpeg_size, pil_to_uint8
 
 # %% auto #0
@@ -25,9 +25,11 @@ class _TooManyPixels(ValueError):
 
 
 def _bomb_text(pixels: int, limit: int, dims: str = "") -> str:
-    return (f"its header says {dims}{pixels:,} pixels, over the decompression-bomb limit of {limit:,} "
-            "(2 × PIL.Image.MAX_IMAGE_PIXELS, which you may raise if the image really is this large), "
-            "so a damaged header or a decompression bomb")
+    return (
+        f"its header says {dims}{pixels:,} pixels, over the decompression-bomb limit of {limit:,} "
+        "(2 × PIL.Image.MAX_IMAGE_PIXELS, which you may raise if the image really is this large), "
+        "so a damaged header or a decompression bomb"
+    )
 
 
 def _check_pixels(height: int, width: int) -> None:
@@ -113,8 +115,9 @@ def with_advice(err: OSError, name: str, advice: str) -> UnreadableImageError:
     """A decoding error about `name` retold with another `advice` (a damaged record: replace its file, 07d §3)."""
     cause = err.__cause__ if isinstance(err, UnreadableImageError) and err.__cause__ is not None else err
     reason = error_reason(_bomb_reason(cause) if isinstance(cause, Image.DecompressionBombError) else cause)
-    return UnreadableImageError(f"cannot decode image {name}: {reason}; {advice}, or build the datasets with "
-                                "on_bad_file='skip'")
+    return UnreadableImageError(
+        f"cannot decode image {name}: {reason}; {advice}, or build the datasets with on_bad_file='skip'"
+    )
 
 # %% ../notebooks/07c_bad_files.ipynb #e1999997
 def _jpeg_complete(data: Tensor) -> bool:

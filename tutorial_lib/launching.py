@@ -22,8 +22,9 @@ __all__ = ['LAUNCHERS', 'EXIT_STATUS_ENV', 'launch_with_timeout', 'report', 'lau
            'record_exit_status', 'read_exit_status']
 
 # %% ../notebooks/06c_launching.ipynb #8f8d11a1
-def launch_with_timeout(fn, args: tuple = (), num_processes: int = 2, timeout: float | None = None,
-                        attempts: int = 2) -> None:
+def launch_with_timeout(
+    fn, args: tuple = (), num_processes: int = 2, timeout: float | None = None, attempts: int = 2
+) -> None:
     """`notebook_launcher(fn, args, num_processes)` on a free port; a launch still running after `timeout`
     seconds has its workers killed and is started again, `attempts` starts at most (06c).
 
@@ -51,8 +52,7 @@ def launch_with_timeout(fn, args: tuple = (), num_processes: int = 2, timeout: f
         try:
             # fork_safe: each launched process computes on OMP_NUM_THREADS threads, else one (00 says why)
             with contextlib.redirect_stdout(_WithoutLaunchBanner(sys.stdout)), _signal_handlers_kept():
-                notebook_launcher(fork_safe(fn), args, num_processes=num_processes,
-                                  use_port=str(free_port()))
+                notebook_launcher(fork_safe(fn), args, num_processes=num_processes, use_port=str(free_port()))
             return
         except Exception as err:
             signum = getattr(err, "sigval", None)  # torch's SignalException: this process received a signal
@@ -107,8 +107,9 @@ def report(accelerator, out_dir: str | os.PathLike, **record) -> None:
     (Path(out_dir) / f"rank{accelerator.process_index}.json").write_text(json.dumps(record))
 
 
-def launch_records(fn, *args, num_processes: int = 2, folder: str | os.PathLike | None = None,
-                   timeout: float | None = None) -> list[dict]:
+def launch_records(
+    fn, *args, num_processes: int = 2, folder: str | os.PathLike | None = None, timeout: float | None = None
+) -> list[dict]:
     """Run `fn(out_dir, *args)` on `num_processes` processes with `launch_with_timeout` and return what each
     process saved with `report`, in rank order: a launched function cannot return a value to the notebook (06c).
     `out_dir` is a new folder inside `folder` (the system's temporary folder when None)."""
@@ -117,15 +118,21 @@ def launch_records(fn, *args, num_processes: int = 2, folder: str | os.PathLike 
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(num_processes)]
 
 # %% ../notebooks/06c_launching.ipynb #026379fa
-LAUNCHERS = ("accelerate launch", "accelerate-launch", "accelerate.commands.launch", "torchrun", "torch.distributed.run",
-             "torch.distributed.launch")  # how the launchers appear in their own command line
+LAUNCHERS = (
+    "accelerate launch",
+    "accelerate-launch",
+    "accelerate.commands.launch",
+    "torchrun",
+    "torch.distributed.run",
+    "torch.distributed.launch",
+)  # how the launchers appear in their own command line
 
 
 def launcher_name(cmdline: list[str]) -> str | None:
     """The launcher a command line runs (one of `LAUNCHERS`: `accelerate launch`, `torchrun`, ...), or None (06c)."""
     words = [Path(word).name for word in cmdline]
     for i, word in enumerate(words):
-        for name in (word, " ".join(words[i:i + 2])):
+        for name in (word, " ".join(words[i : i + 2])):
             if name in LAUNCHERS:
                 return name
     return None
@@ -151,6 +158,7 @@ def follow_launcher(poll_s: float = 0.2) -> str | None:
     except psutil.Error:
         name = None
     if name:
+
         def watch() -> None:
             while os.getppid() == parent:  # an orphan is adopted by another process: its parent changes
                 time.sleep(poll_s)

@@ -7,7 +7,7 @@ import io
 import os
 import random
 import sys
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -31,9 +31,11 @@ class SkipCounts:
     process reads."""
 
     def _init_skips(self, n: int) -> None:
-        self._skipped = torch.zeros(257, dtype=torch.int64).share_memory_()  # one slot per process: main 0, worker k k+1
-        self._bad = torch.zeros(n, dtype=torch.bool).share_memory_()         # samples found unreadable, to name each once
-        self._taken, self._named = 0, set()                                  # main process only: what take_skips returned
+        self._skipped = torch.zeros(
+            257, dtype=torch.int64
+        ).share_memory_()  # one slot per process: main 0, worker k k+1
+        self._bad = torch.zeros(n, dtype=torch.bool).share_memory_()  # samples found unreadable, to name each once
+        self._taken, self._named = 0, set()  # main process only: what take_skips returned
 
     def _record_skip(self, index: int, err: UnreadableImageError) -> None:
         from torch.utils.data import get_worker_info
@@ -67,8 +69,10 @@ class SkipCounts:
 
     def skip_report(self) -> str:
         """One line: how many times unreadable files were skipped, and how many files those were."""
-        return (f"{self.root}: skipped {self.skipped} unreadable image(s), {int(self._bad.sum())} distinct file(s) "
-                "(on_bad_file='skip'; each named once in a warning)")
+        return (
+            f"{self.root}: skipped {self.skipped} unreadable image(s), {int(self._bad.sum())} distinct file(s) "
+            "(on_bad_file='skip'; each named once in a warning)"
+        )
 
 # %% ../notebooks/07d_datasets.ipynb #692ba697
 _ON_BAD_FILE = ("raise", "skip")
@@ -87,8 +91,9 @@ class ImageDataset(SkipCounts, Dataset):
     image labelled `SKIPPED_LABEL`, which evaluation drops: no image is counted twice, and the batches of every
     process keep their size (07d §3)."""
 
-    def __init__(self, reader, transform: Callable, pipeline: str = "fast", on_bad_file: str = "raise",
-                 replace_bad: bool = True):
+    def __init__(
+        self, reader, transform: Callable, pipeline: str = "fast", on_bad_file: str = "raise", replace_bad: bool = True
+    ):
         if on_bad_file not in _ON_BAD_FILE:
             raise ValueError(f"on_bad_file must be one of {_ON_BAD_FILE}, got {on_bad_file!r}")
         self.reader, self.transform, self.pipeline, self.on_bad_file = reader, transform, pipeline, on_bad_file
@@ -139,8 +144,9 @@ class ImageDataset(SkipCounts, Dataset):
             else:
                 encoded = io.BytesIO()
                 blank.save(encoded, format="PNG")
-                self._placeholder = self.transform(torch.frombuffer(bytearray(encoded.getvalue()), dtype=torch.uint8),
-                                                   "<blank placeholder>")
+                self._placeholder = self.transform(
+                    torch.frombuffer(bytearray(encoded.getvalue()), dtype=torch.uint8), "<blank placeholder>"
+                )
         return self._placeholder
 
 # %% ../notebooks/07d_datasets.ipynb #8f6c5eea
@@ -159,21 +165,35 @@ def base_dataset(dataset: Dataset) -> Dataset:
 _PIPELINES = ("fast", "classic", "gpu")
 
 
-def pipeline_transforms(pipeline: str, img_size: int, val_img_size: int, scale: tuple[float, float] = (0.08, 1.0),
-                        reduced_decode: bool = True) -> tuple[Callable, Callable]:
+def pipeline_transforms(
+    pipeline: str,
+    img_size: int,
+    val_img_size: int,
+    scale: tuple[float, float] = (0.08, 1.0),
+    reduced_decode: bool = True,
+) -> tuple[Callable, Callable]:
     """The (train, val) transforms of a pipeline; the fast ones decode with `decode_rgb` (bad files named, bombs refused)."""
     if pipeline == "fast":
-        return (FastTrainTransform(img_size, scale, reduced_decode=reduced_decode, decode=decode_rgb),
-                FastValTransform(val_img_size, reduced_decode=reduced_decode, decode=decode_rgb))
+        return (
+            FastTrainTransform(img_size, scale, reduced_decode=reduced_decode, decode=decode_rgb),
+            FastValTransform(val_img_size, reduced_decode=reduced_decode, decode=decode_rgb),
+        )
     if pipeline == "gpu":
         return EncodedTransform(), EncodedTransform()
     return classic_transforms(img_size, scale)[0], classic_transforms(val_img_size, scale)[1]
 
 
-def build_datasets(source: str | os.PathLike | DataSource, img_size: int = 224, pipeline: str = "fast",
-                   on_bad_file: str = "raise", scale: tuple[float, float] = (0.08, 1.0), reduced_decode: bool = True,
-                   cache_dir: str | None = None, log: Callable[[str], None] | None = _warn_line,
-                   val_img_size: int | None = None) -> tuple[ImageDataset, ImageDataset]:
+def build_datasets(
+    source: str | os.PathLike | DataSource,
+    img_size: int = 224,
+    pipeline: str = "fast",
+    on_bad_file: str = "raise",
+    scale: tuple[float, float] = (0.08, 1.0),
+    reduced_decode: bool = True,
+    cache_dir: str | None = None,
+    log: Callable[[str], None] | None = _warn_line,
+    val_img_size: int | None = None,
+) -> tuple[ImageDataset, ImageDataset]:
     """Train and val `ImageDataset`s of any source `resolve_data_source` accepts (07a), each split read once; both
     have the same `.classes` (class folders: the sorted folder names; records: the `ClassLabel` names).
 
@@ -246,8 +266,15 @@ def collate_encoded(batch: Sequence[tuple[Tensor, int]]) -> tuple[list[Tensor], 
     return [x for x, _ in batch], torch.tensor([y for _, y in batch])
 
 
-def build_loaders(train_ds: Dataset, val_ds: Dataset, batch_size: int, num_workers: int = 0, seed: int = 0,
-                  pin_memory: bool | None = None, prefetch_factor: int = 2) -> tuple[DataLoader, DataLoader]:
+def build_loaders(
+    train_ds: Dataset,
+    val_ds: Dataset,
+    batch_size: int,
+    num_workers: int = 0,
+    seed: int = 0,
+    pin_memory: bool | None = None,
+    prefetch_factor: int = 2,
+) -> tuple[DataLoader, DataLoader]:
     """Train loader (seeded shuffling by epoch, `drop_last=True`) and val loader (in order, every image).
 
     `pin_memory=None` pins when CUDA is present; workers persist across epochs (07 §6). `uint8`
@@ -256,15 +283,22 @@ def build_loaders(train_ds: Dataset, val_ds: Dataset, batch_size: int, num_worke
     if int(batch_size) != batch_size or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     if len(train_ds) < batch_size:
-        raise ValueError(f"the training set has {len(train_ds)} images, fewer than batch_size={batch_size}: "
-                         "with drop_last=True there would be no batch; lower the batch size")
+        raise ValueError(
+            f"the training set has {len(train_ds)} images, fewer than batch_size={batch_size}: "
+            "with drop_last=True there would be no batch; lower the batch size"
+        )
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
-    options = dict(num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0,
-                   prefetch_factor=prefetch_factor if num_workers > 0 else None,
-                   collate_fn=collate_encoded if getattr(train_ds, "pipeline", None) == "gpu" else collate_images)
-    train_loader = DataLoader(train_ds, batch_size=batch_size, sampler=EpochSeededSampler(len(train_ds), seed),
-                              drop_last=True, **options)
+    options = dict(
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        collate_fn=collate_encoded if getattr(train_ds, "pipeline", None) == "gpu" else collate_images,
+    )
+    train_loader = DataLoader(
+        train_ds, batch_size=batch_size, sampler=EpochSeededSampler(len(train_ds), seed), drop_last=True, **options
+    )
     val_loader = DataLoader(val_ds, batch_size=batch_size, shuffle=False, drop_last=False, **options)
     return train_loader, val_loader
 

@@ -9,8 +9,13 @@ from torch import nn
 __all__ = ['NORM_TYPES', 'parameter_kinds', 'param_groups', 'ModelEMA', 'make_ema']
 
 # %% ../notebooks/04_weight_decay.ipynb #23eada8c
-NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm,
-              *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
+NORM_TYPES = (
+    nn.modules.batchnorm._NormBase,
+    nn.GroupNorm,
+    nn.LayerNorm,
+    nn.LocalResponseNorm,
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+)
 
 
 def parameter_kinds(model: nn.Module) -> dict[str, str]:
@@ -34,8 +39,12 @@ def parameter_kinds(model: nn.Module) -> dict[str, str]:
     return kinds
 
 # %% ../notebooks/04_weight_decay.ipynb #7d597110
-def param_groups(model: nn.Module, weight_decay: float, norm_weight_decay: float | None = None,
-                 bias_weight_decay: float | None = None) -> list[dict]:
+def param_groups(
+    model: nn.Module,
+    weight_decay: float,
+    norm_weight_decay: float | None = None,
+    bias_weight_decay: float | None = None,
+) -> list[dict]:
     """Optimizer parameter groups with their own weight decay, grouped by module type.
 
     Returns `[{"params": [...], "weight_decay": x, "name": ...}]` for "weight", "norm" and "bias" (empty
@@ -43,9 +52,11 @@ def param_groups(model: nn.Module, weight_decay: float, norm_weight_decay: float
     `norm_weight_decay` or `bias_weight_decay` means `weight_decay`: every parameter decayed, like
     torchvision's V1 recipe and the training script (08a); pass 0.0 to exempt them. Every trainable parameter
     is in exactly one group; frozen ones are left out. Taught in 04."""
-    decays = {"weight": ("weight_decay", weight_decay),
-              "norm": ("norm_weight_decay", weight_decay if norm_weight_decay is None else norm_weight_decay),
-              "bias": ("bias_weight_decay", weight_decay if bias_weight_decay is None else bias_weight_decay)}
+    decays = {
+        "weight": ("weight_decay", weight_decay),
+        "norm": ("norm_weight_decay", weight_decay if norm_weight_decay is None else norm_weight_decay),
+        "bias": ("bias_weight_decay", weight_decay if bias_weight_decay is None else bias_weight_decay),
+    }
     for argument, value in decays.values():
         if value < 0:
             raise ValueError(f"{argument} must be >= 0, got {value}")

@@ -6,16 +6,22 @@ from __future__ import annotations
 import copy
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from torch import nn
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .accumulation import (CommHookRecorder, gradient_snapshot, make_toy_cnn, max_abs_difference,
-                                      timed_forward_backward, toy_batch)
+from tutorial_lib.accumulation import (
+    CommHookRecorder,
+    gradient_snapshot,
+    make_toy_cnn,
+    max_abs_difference,
+    timed_forward_backward,
+    toy_batch,
+)
+
 from .core import fork_safe
 
 # %% auto #0
@@ -35,24 +41,31 @@ def ddp_gradient_worker(out_dir: str, global_batch: int = 16, seed: int = 0) -> 
     from accelerate import Accelerator
     from torch.utils.data import DataLoader, TensorDataset
 
-    accelerator = Accelerator(cpu=True)               # built inside the launched function, one per process
+    accelerator = Accelerator(cpu=True)  # built inside the launched function, one per process
     rank = accelerator.process_index
-    inputs, targets = toy_batch(global_batch, seed=seed)        # the same global batch on every process
-    loader = DataLoader(TensorDataset(torch.arange(global_batch)),
-                        batch_size=global_batch // accelerator.num_processes)
-    model = make_toy_cnn(norm="none", seed=seed + rank)         # deliberately different weights per process
-    model, loader = accelerator.prepare(model, loader)          # DDP wrapper: broadcasts rank 0's weights
-    (indices,) = next(iter(loader))                             # this process's shard of the global batch
+    inputs, targets = toy_batch(global_batch, seed=seed)  # the same global batch on every process
+    loader = DataLoader(TensorDataset(torch.arange(global_batch)), batch_size=global_batch // accelerator.num_processes)
+    model = make_toy_cnn(norm="none", seed=seed + rank)  # deliberately different weights per process
+    model, loader = accelerator.prepare(model, loader)  # DDP wrapper: broadcasts rank 0's weights
+    (indices,) = next(iter(loader))  # this process's shard of the global batch
     loss_fn = nn.CrossEntropyLoss()
-    with accelerator.no_sync(model):                            # backward without the all-reduce
+    with accelerator.no_sync(model):  # backward without the all-reduce
         loss_fn(model(inputs[indices]), targets[indices]).backward()
     local = gradient_snapshot(accelerator.unwrap_model(model))
     model.zero_grad(set_to_none=True)
     loss_fn(model(inputs[indices]), targets[indices]).backward()  # DDP averages the gradients here
-    torch.save({"rank": rank, "num_processes": accelerator.num_processes, "indices": indices,
-                "local": local, "synced": gradient_snapshot(accelerator.unwrap_model(model)),
-                "weights": accelerator.unwrap_model(model).state_dict(), "num_threads": torch.get_num_threads()},
-               Path(out_dir) / f"rank{rank}.pt")
+    torch.save(
+        {
+            "rank": rank,
+            "num_processes": accelerator.num_processes,
+            "indices": indices,
+            "local": local,
+            "synced": gradient_snapshot(accelerator.unwrap_model(model)),
+            "weights": accelerator.unwrap_model(model).state_dict(),
+            "num_threads": torch.get_num_threads(),
+        },
+        Path(out_dir) / f"rank{rank}.pt",
+    )
 
 # %% ../notebooks/02_parallelism.ipynb #6c899859
 def summation_tolerance(num_terms: int, dtype: torch.dtype = torch.float32) -> float:
@@ -74,8 +87,11 @@ def longest_gradient_sum(model: nn.Module, inputs: torch.Tensor) -> int:
     parameters of its own (convolution, linear, normalisation) that is its output's size divided by
     its number of channels (dimension 1). Runs one forward pass without gradients."""
     sizes: list[int] = []
-    hooks = [m.register_forward_hook(lambda mod, inp, out: sizes.append(out.numel() // out.shape[1]))
-             for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
+    hooks = [
+        m.register_forward_hook(lambda mod, inp, out: sizes.append(out.numel() // out.shape[1]))
+        for m in model.modules()
+        if next(m.parameters(recurse=False), None) is not None
+    ]
     try:
         with torch.no_grad():
             model(inputs)
@@ -103,7 +119,7 @@ def run_ddp_gradient_check(num_processes: int = 2, global_batch: int = 16, seed:
         ranks = [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(num_processes)]
     reference_model = make_toy_cnn(norm="none", seed=seed)
     inputs, targets = toy_batch(global_batch, seed=seed)
-    nn.CrossEntropyLoss()(reference_model(inputs), targets).backward()   # one process, the full batch
+    nn.CrossEntropyLoss()(reference_model(inputs), targets).backward()  # one process, the full batch
     reference = gradient_snapshot(reference_model)
     num_terms = longest_gradient_sum(reference_model, inputs)
 
@@ -119,14 +135,22 @@ def run_ddp_gradient_check(num_processes: int = 2, global_batch: int = 16, seed:
         "synced_vs_full_relative": [relative(r["synced"]) for r in ranks],
         "num_terms": num_terms,
         "tolerance": summation_tolerance(num_terms),
-        "weights_equal_rank0": all(torch.equal(r["weights"][k], reference_model.state_dict()[k])
-                                   for r in ranks for k in r["weights"]),
+        "weights_equal_rank0": all(
+            torch.equal(r["weights"][k], reference_model.state_dict()[k]) for r in ranks for k in r["weights"]
+        ),
         "num_threads": [r["num_threads"] for r in ranks],
     }
 
 # %% ../notebooks/02_parallelism.ipynb #ae4f9f1b
-def ddp_timeline_worker(out_dir: str, bucket_caps_mb: Sequence[float] = (25.0,), steps: int = 2, batch_size: int = 4,
-                        img_size: int = 32, arch: str = "resnet50", seed: int = 0) -> None:
+def ddp_timeline_worker(
+    out_dir: str,
+    bucket_caps_mb: Sequence[float] = (25.0,),
+    steps: int = 2,
+    batch_size: int = 4,
+    img_size: int = 32,
+    arch: str = "resnet50",
+    seed: int = 0,
+) -> None:
     """Run by each process under `debug_launcher`: `steps` DDP steps of a torchvision model per bucket size, recorded (02).
 
     For each `bucket_cap_mb` in `bucket_caps_mb` (one `Accelerator` each, same initial weights), saves
@@ -144,11 +168,11 @@ def ddp_timeline_worker(out_dir: str, bucket_caps_mb: Sequence[float] = (25.0,),
         rank = accelerator.process_index
         model = accelerator.prepare(copy.deepcopy(initial))
         recorder = CommHookRecorder()
-        model.register_comm_hook(None, recorder.hook)            # every bucket's all-reduce goes through it
+        model.register_comm_hook(None, recorder.hook)  # every bucket's all-reduce goes through it
         ready: list[float] = []
         for p in accelerator.unwrap_model(model).parameters():
             p.register_post_accumulate_grad_hook(lambda p: ready.append(time.perf_counter()))
-        inputs, targets = toy_batch(batch_size, img_size=img_size, seed=seed + rank)   # this process's shard
+        inputs, targets = toy_batch(batch_size, img_size=img_size, seed=seed + rank)  # this process's shard
         recorded = []
         for step in range(steps):
             recorder.step = step
@@ -157,13 +181,24 @@ def ddp_timeline_worker(out_dir: str, bucket_caps_mb: Sequence[float] = (25.0,),
             times = timed_forward_backward(accelerator, model, nn.CrossEntropyLoss(), inputs, targets)
             recorded.append({"step": step, **times, "first_gradient": min(ready), "last_gradient": max(ready)})
             model.zero_grad(set_to_none=True)
-        runs[cap] = {"rank": rank, "steps": recorded, "events": recorder.events,
-                     "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+        runs[cap] = {
+            "rank": rank,
+            "steps": recorded,
+            "events": recorder.events,
+            "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        }
     torch.save(runs, Path(out_dir) / f"rank{rank}.pt")
 
 # %% ../notebooks/02_parallelism.ipynb #eb9c87e3
-def run_ddp_timeline(bucket_caps_mb: Sequence[float] = (25.0, 5.0), steps: int = 2, num_processes: int = 2,
-                     batch_size: int = 4, img_size: int = 32, arch: str = "resnet50", seed: int = 0) -> dict:
+def run_ddp_timeline(
+    bucket_caps_mb: Sequence[float] = (25.0, 5.0),
+    steps: int = 2,
+    num_processes: int = 2,
+    batch_size: int = 4,
+    img_size: int = 32,
+    arch: str = "resnet50",
+    seed: int = 0,
+) -> dict:
     """Launch `ddp_timeline_worker` on `num_processes` CPU processes (gloo); return, per bucket size, what each recorded (02).
 
     Each entry has `ranks` (every process's steps and events), `buckets_per_step` (hook calls in each
@@ -171,15 +206,21 @@ def run_ddp_timeline(bucket_caps_mb: Sequence[float] = (25.0, 5.0), steps: int =
     from accelerate import debug_launcher
 
     with tempfile.TemporaryDirectory() as out_dir:
-        debug_launcher(fork_safe(ddp_timeline_worker), num_processes=num_processes,
-                       args=(out_dir, tuple(bucket_caps_mb), steps, batch_size, img_size, arch, seed))
+        debug_launcher(
+            fork_safe(ddp_timeline_worker),
+            num_processes=num_processes,
+            args=(out_dir, tuple(bucket_caps_mb), steps, batch_size, img_size, arch, seed),
+        )
         per_rank = [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(num_processes)]
     out = {}
     for cap in bucket_caps_mb:
         ranks = [runs[cap] for runs in per_rank]
-        out[cap] = {"bucket_cap_mb": cap, "ranks": ranks,
-                    "buckets_per_step": [[sum(e["step"] == s for e in r["events"]) for s in range(steps)] for r in ranks],
-                    "bucket_mib": [e["bytes"] / 2**20 for e in ranks[0]["events"] if e["step"] == steps - 1]}
+        out[cap] = {
+            "bucket_cap_mb": cap,
+            "ranks": ranks,
+            "buckets_per_step": [[sum(e["step"] == s for e in r["events"]) for s in range(steps)] for r in ranks],
+            "bucket_mib": [e["bytes"] / 2**20 for e in ranks[0]["events"] if e["step"] == steps - 1],
+        }
     return out
 
 # %% ../notebooks/02_parallelism.ipynb #20c0e0cc
@@ -222,8 +263,9 @@ def naive_allreduce_bytes(num_bytes: float, world_size: int) -> float:
     return (world_size - 1) * num_bytes
 
 
-def ring_allreduce_seconds(num_bytes: float, world_size: int, bandwidth_bytes_per_s: float,
-                           latency_s: float = 0.0) -> float:
+def ring_allreduce_seconds(
+    num_bytes: float, world_size: int, bandwidth_bytes_per_s: float, latency_s: float = 0.0
+) -> float:
     """Time of a ring all-reduce: 2 (N - 1) messages of S / N bytes, each costing latency + size / bandwidth."""
     if bandwidth_bytes_per_s <= 0:
         raise ValueError(f"bandwidth_bytes_per_s must be positive, got {bandwidth_bytes_per_s}")
@@ -239,12 +281,13 @@ def resnet_stages(model: nn.Module, split_after: str = "layer2") -> tuple[nn.Seq
     stages one after the other computes exactly `model(x)` (02)."""
     names = [name for name, _ in model.named_children()]
     if split_after not in names[:-1] or names[-2:] != ["avgpool", "fc"]:
-        raise ValueError(f"split_after must name a child of a torchvision ResNet before 'fc' ({names[:-1]}), "
-                         f"got {split_after!r}")
+        raise ValueError(
+            f"split_after must name a child of a torchvision ResNet before 'fc' ({names[:-1]}), got {split_after!r}"
+        )
     cut = names.index(split_after) + 1
-    children = [copy.deepcopy(module) for module in model.children()]   # leave the original untouched
+    children = [copy.deepcopy(module) for module in model.children()]  # leave the original untouched
     first, second = children[:cut], children[cut:]
-    second.insert(len(second) - 1, nn.Flatten(1))                       # between avgpool and fc
+    second.insert(len(second) - 1, nn.Flatten(1))  # between avgpool and fc
     return nn.Sequential(*first), nn.Sequential(*second)
 
 # %% ../notebooks/02_parallelism.ipynb #98896116
@@ -277,13 +320,14 @@ class PipelineModel(nn.Module):
         outputs = []
         for chunk in x.chunk(self.micro_batches):
             for stage, device in zip(self.stages, self.devices):
-                chunk = stage(chunk.to(device, non_blocking=True))   # activations cross the device boundary
+                chunk = stage(chunk.to(device, non_blocking=True))  # activations cross the device boundary
             outputs.append(chunk)
         return torch.cat(outputs)
 
 # %% ../notebooks/02_parallelism.ipynb #beffae49
-def pipeline_schedule(num_stages: int, num_micro_batches: int, forward_time: float = 1.0,
-                      backward_time: float = 2.0) -> list[dict]:
+def pipeline_schedule(
+    num_stages: int, num_micro_batches: int, forward_time: float = 1.0, backward_time: float = 2.0
+) -> list[dict]:
     """GPipe (fill-drain) schedule: start/end of every forward and backward task on every stage (02).
 
     `forward_time`/`backward_time` are one stage's times on the whole batch; a micro-batch takes
@@ -346,8 +390,8 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
-        outputs = [shard(x) for shard in self.shards]            # every shard sees the whole input
-        return torch.cat(outputs, dim=-1) if self.gather_output else outputs   # all-gather
+        outputs = [shard(x) for shard in self.shards]  # every shard sees the whole input
+        return torch.cat(outputs, dim=-1) if self.gather_output else outputs  # all-gather
 
 # %% ../notebooks/02_parallelism.ipynb #af7476aa
 class RowParallelLinear(nn.Module):
@@ -374,16 +418,26 @@ class RowParallelLinear(nn.Module):
             pieces = list(torch.split(x, sizes, dim=-1))
         if len(pieces) != len(self.shards):
             raise ValueError(f"expected {len(self.shards)} input slices, got {len(pieces)}")
-        y = sum(shard(piece) for shard, piece in zip(self.shards, pieces))   # all-reduce of partial sums
-        return y + self.bias if self.bias is not None else y               # bias added once, not per shard
+        y = sum(shard(piece) for shard, piece in zip(self.shards, pieces))  # all-reduce of partial sums
+        return y + self.bias if self.bias is not None else y  # bias added once, not per shard
 
 # %% ../notebooks/02_parallelism.ipynb #ae941d43
-ZERO_STAGES = {0: "DDP (no sharding)", 1: "ZeRO-1: optimizer state", 2: "ZeRO-2: + gradients",
-               3: "ZeRO-3 / FSDP: + parameters"}
+ZERO_STAGES = {
+    0: "DDP (no sharding)",
+    1: "ZeRO-1: optimizer state",
+    2: "ZeRO-2: + gradients",
+    3: "ZeRO-3 / FSDP: + parameters",
+}
 
 
-def sharded_state_bytes(num_params: float, world_size: int, stage: int, param_bytes: float = 2,
-                        grad_bytes: float = 2, optimizer_bytes: float = 12) -> dict[str, float]:
+def sharded_state_bytes(
+    num_params: float,
+    world_size: int,
+    stage: int,
+    param_bytes: float = 2,
+    grad_bytes: float = 2,
+    optimizer_bytes: float = 12,
+) -> dict[str, float]:
     """Bytes of parameters, gradients and optimizer state per GPU under ZeRO `stage` 0 (DDP) to 3 (02).
 
     Stage 1 shards the optimizer state over `world_size` processes, stage 2 also the gradients,
@@ -393,9 +447,11 @@ def sharded_state_bytes(num_params: float, world_size: int, stage: int, param_by
         raise ValueError(f"stage must be one of {list(ZERO_STAGES)}, got {stage}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    per_gpu = {"parameters": param_bytes / (world_size if stage >= 3 else 1),
-               "gradients": grad_bytes / (world_size if stage >= 2 else 1),
-               "optimizer state": optimizer_bytes / (world_size if stage >= 1 else 1)}
+    per_gpu = {
+        "parameters": param_bytes / (world_size if stage >= 3 else 1),
+        "gradients": grad_bytes / (world_size if stage >= 2 else 1),
+        "optimizer state": optimizer_bytes / (world_size if stage >= 1 else 1),
+    }
     out = {k: v * num_params for k, v in per_gpu.items()}
     out["total"] = sum(out.values())
     return out
@@ -412,8 +468,12 @@ def sharded_traffic_bytes(num_bytes: float, world_size: int, stage: int) -> floa
 
 # %% ../notebooks/02_parallelism.ipynb #d4334a9c
 def _collective_kind(name: str) -> str:
-    for key, kind in [("allgather", "all-gather"), ("reduce_scatter", "reduce-scatter"), ("allreduce", "all-reduce"),
-                      ("broadcast", "broadcast")]:
+    for key, kind in [
+        ("allgather", "all-gather"),
+        ("reduce_scatter", "reduce-scatter"),
+        ("allreduce", "all-reduce"),
+        ("broadcast", "broadcast"),
+    ]:
         if key in name:
             return kind
     return name
@@ -434,10 +494,19 @@ class CollectiveCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
-            tensors = [t for a in (*args, *(kwargs or {}).values())
-                       for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
-            self.calls.append({"phase": self.phase, "kind": _collective_kind(func.overloadpacket.__name__),
-                               "bytes": max((t.numel() * t.element_size() for t in tensors), default=0)})
+            tensors = [
+                t
+                for a in (*args, *(kwargs or {}).values())
+                for t in (a if isinstance(a, (list, tuple)) else [a])
+                if isinstance(t, torch.Tensor)
+            ]
+            self.calls.append(
+                {
+                    "phase": self.phase,
+                    "kind": _collective_kind(func.overloadpacket.__name__),
+                    "bytes": max((t.numel() * t.element_size() for t in tensors), default=0),
+                }
+            )
         return func(*args, **(kwargs or {}))
 
 # %% ../notebooks/02_parallelism.ipynb #f366b287
@@ -462,18 +531,19 @@ def fully_shard_blocks(model: nn.Module, wrap: str) -> int:
     number of FSDP units (02)."""
     try:
         from torch.distributed.fsdp import fully_shard
-    except ImportError:                                          # torch < 2.6 keeps FSDP2 here
+    except ImportError:  # torch < 2.6 keeps FSDP2 here
         from torch.distributed._composable.fsdp import fully_shard
 
     units = [m for m in model.modules() if type(m).__name__ == wrap]
     for unit in units:
-        fully_shard(unit)                        # one FSDP unit per block: gathered and freed on its own
-    fully_shard(model)                           # the rest (stem, classifier) in the root unit
+        fully_shard(unit)  # one FSDP unit per block: gathered and freed on its own
+    fully_shard(model)  # the rest (stem, classifier) in the root unit
     return len(units) + 1
 
 
-def counted_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, x: torch.Tensor,
-                 y: torch.Tensor) -> CollectiveCounter:
+def counted_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, x: torch.Tensor, y: torch.Tensor
+) -> CollectiveCounter:
     """One training step with its collectives counted per phase: forward, backward, optimizer step (02)."""
     with CollectiveCounter() as counter:
         counter.phase = "forward"
@@ -492,15 +562,23 @@ def fsdp_vs_ddp(model: nn.Module, ddp_named: dict, num_terms: int, lr: float) ->
     u = torch.finfo(torch.float32).eps / 2
     diff, tolerance = {}, {}
     for name, p in model.named_parameters():
-        full, ddp_p = p.full_tensor().detach(), ddp_named[name].detach()      # full_tensor: an all-gather
+        full, ddp_p = p.full_tensor().detach(), ddp_named[name].detach()  # full_tensor: an all-gather
         diff[name] = (full - ddp_p).abs().max().item()
-        tolerance[name] = (lr * summation_tolerance(num_terms) * ddp_named[name].grad.abs().max().item()
-                           + u * ddp_p.abs().max().item())
+        tolerance[name] = (
+            lr * summation_tolerance(num_terms) * ddp_named[name].grad.abs().max().item() + u * ddp_p.abs().max().item()
+        )
     return diff, tolerance
 
 # %% ../notebooks/02_parallelism.ipynb #eb07cd6c
-def fsdp_step_worker(out_dir: str, global_batch: int = 8, img_size: int = 32, lr: float = 0.1, seed: int = 0,
-                     arch: str = "resnet50", wrap: str = "Bottleneck") -> None:
+def fsdp_step_worker(
+    out_dir: str,
+    global_batch: int = 8,
+    img_size: int = 32,
+    lr: float = 0.1,
+    seed: int = 0,
+    arch: str = "resnet50",
+    wrap: str = "Bottleneck",
+) -> None:
     """Run by each process under `debug_launcher`: one SGD step of the same model with DDP and with FSDP2 (02).
 
     FSDP: `fully_shard_blocks(model, wrap)`. Saves to `out_dir/rank{i}.pt` the local shapes of the sharded
@@ -513,9 +591,9 @@ def fsdp_step_worker(out_dir: str, global_batch: int = 8, img_size: int = 32, lr
     rank, world_size = accelerator.process_index, accelerator.num_processes
     inputs, targets = toy_batch(global_batch, img_size=img_size, seed=seed)
     per_process = global_batch // world_size
-    x, y = inputs[rank * per_process:(rank + 1) * per_process], targets[rank * per_process:(rank + 1) * per_process]
+    x, y = inputs[rank * per_process : (rank + 1) * per_process], targets[rank * per_process : (rank + 1) * per_process]
     torch.manual_seed(seed)
-    initial = torchvision.models.get_model(arch, num_classes=10)     # both runs start from copies of it
+    initial = torchvision.models.get_model(arch, num_classes=10)  # both runs start from copies of it
 
     ddp_model = accelerator.prepare(copy.deepcopy(initial))
     ddp_optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr, momentum=0.9)
@@ -523,22 +601,40 @@ def fsdp_step_worker(out_dir: str, global_batch: int = 8, img_size: int = 32, lr
     ddp_named = dict(accelerator.unwrap_model(ddp_model).named_parameters())
     model = copy.deepcopy(initial)
     num_units = fully_shard_blocks(model, wrap)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)   # on the shards: sharded state
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)  # on the shards: sharded state
     fsdp_comm = counted_step(model, optimizer, nn.CrossEntropyLoss(), x, y)
     num_terms = longest_gradient_sum(initial, x)  # compared here, rather than saving two copies of every parameter
     diff, tolerance = fsdp_vs_ddp(model, ddp_named, num_terms, lr)
-    torch.save({
-        "rank": rank, "num_processes": world_size, "num_units": num_units, "num_threads": torch.get_num_threads(),
-        "shapes": {n: (tuple(p.shape), tuple(p.to_local().shape)) for n, p in model.named_parameters()},
-        "momentum_shapes": {n: tuple(optimizer.state[p]["momentum_buffer"].to_local().shape)
-                            for n, p in model.named_parameters()},
-        "ddp_calls": ddp_comm.calls, "fsdp_calls": fsdp_comm.calls, "max_abs_diff": diff, "tolerance": tolerance,
-        "num_terms": num_terms, "param_bytes": sum(p.numel() * p.element_size() for p in ddp_named.values()),
-    }, Path(out_dir) / f"rank{rank}.pt")
+    torch.save(
+        {
+            "rank": rank,
+            "num_processes": world_size,
+            "num_units": num_units,
+            "num_threads": torch.get_num_threads(),
+            "shapes": {n: (tuple(p.shape), tuple(p.to_local().shape)) for n, p in model.named_parameters()},
+            "momentum_shapes": {
+                n: tuple(optimizer.state[p]["momentum_buffer"].to_local().shape) for n, p in model.named_parameters()
+            },
+            "ddp_calls": ddp_comm.calls,
+            "fsdp_calls": fsdp_comm.calls,
+            "max_abs_diff": diff,
+            "tolerance": tolerance,
+            "num_terms": num_terms,
+            "param_bytes": sum(p.numel() * p.element_size() for p in ddp_named.values()),
+        },
+        Path(out_dir) / f"rank{rank}.pt",
+    )
 
 # %% ../notebooks/02_parallelism.ipynb #b3b2823e
-def run_fsdp_step_comparison(num_processes: int = 2, global_batch: int = 8, img_size: int = 32, lr: float = 0.1,
-                             seed: int = 0, arch: str = "resnet50", wrap: str = "Bottleneck") -> dict:
+def run_fsdp_step_comparison(
+    num_processes: int = 2,
+    global_batch: int = 8,
+    img_size: int = 32,
+    lr: float = 0.1,
+    seed: int = 0,
+    arch: str = "resnet50",
+    wrap: str = "Bottleneck",
+) -> dict:
     """Launch `fsdp_step_worker` on `num_processes` CPU processes (gloo) and compare FSDP with DDP (02).
 
     Returns the sharded shapes, the collectives counted per phase (calls and bytes), and for every
@@ -549,17 +645,23 @@ def run_fsdp_step_comparison(num_processes: int = 2, global_batch: int = 8, img_
     if global_batch % num_processes:
         raise ValueError(f"global_batch={global_batch} must be divisible by num_processes={num_processes}")
     with tempfile.TemporaryDirectory() as out_dir:
-        debug_launcher(fork_safe(fsdp_step_worker), num_processes=num_processes,
-                       args=(out_dir, global_batch, img_size, lr, seed, arch, wrap))
+        debug_launcher(
+            fork_safe(fsdp_step_worker),
+            num_processes=num_processes,
+            args=(out_dir, global_batch, img_size, lr, seed, arch, wrap),
+        )
         ranks = [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(num_processes)]
     r0 = ranks[0]
     return {
-        "num_processes": [r["num_processes"] for r in ranks], "num_threads": [r["num_threads"] for r in ranks],
-        "num_units": r0["num_units"], "shapes": [r["shapes"] for r in ranks],
+        "num_processes": [r["num_processes"] for r in ranks],
+        "num_threads": [r["num_threads"] for r in ranks],
+        "num_units": r0["num_units"],
+        "shapes": [r["shapes"] for r in ranks],
         "momentum_shapes": [r["momentum_shapes"] for r in ranks],
         "counts": {which: collective_counts(r0[f"{which}_calls"]) for which in ("ddp", "fsdp")},
         "bytes": {which: collective_bytes(r0[f"{which}_calls"]) for which in ("ddp", "fsdp")},
         "max_abs_diff": {n: max(r["max_abs_diff"][n] for r in ranks) for n in r0["max_abs_diff"]},
         "tolerance": {n: min(r["tolerance"][n] for r in ranks) for n in r0["tolerance"]},
-        "num_terms": r0["num_terms"], "param_bytes": r0["param_bytes"],
+        "num_terms": r0["num_terms"],
+        "param_bytes": r0["param_bytes"],
     }

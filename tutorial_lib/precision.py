@@ -25,7 +25,7 @@ def float_bits(x: float, dtype: torch.dtype) -> dict:
     stored = torch.tensor(x, dtype=torch.float32).to(dtype)
     raw = int(stored.view(_INT_VIEW[dtype]).item()) & ((1 << (1 + E + M)) - 1)
     bits = format(raw, f"0{1 + E + M}b")
-    return {"sign": bits[0], "exponent": bits[1:1 + E], "mantissa": bits[1 + E:], "stored": stored.item()}
+    return {"sign": bits[0], "exponent": bits[1 : 1 + E], "mantissa": bits[1 + E :], "stored": stored.item()}
 
 
 def decode_bits(sign: str, exponent: str, mantissa: str) -> float:
@@ -33,11 +33,11 @@ def decode_bits(sign: str, exponent: str, mantissa: str) -> float:
     E, M = len(exponent), len(mantissa)
     bias = 2 ** (E - 1) - 1
     s, e, m = int(sign, 2), int(exponent, 2), int(mantissa, 2)
-    if e == 2 ** E - 1:
+    if e == 2**E - 1:
         return float("nan") if m else (-1) ** s * float("inf")
     if e == 0:  # subnormal: no implicit 1, fixed smallest exponent
-        return (-1) ** s * 2.0 ** (1 - bias) * (m / 2 ** M)
-    return (-1) ** s * 2.0 ** (e - bias) * (1 + m / 2 ** M)
+        return (-1) ** s * 2.0 ** (1 - bias) * (m / 2**M)
+    return (-1) ** s * 2.0 ** (e - bias) * (1 + m / 2**M)
 
 # %% ../notebooks/03_mixed_precision.ipynb #7ffde066
 FIELD_COLORS = {"sign": "#d62728", "exponent": "#1f77b4", "mantissa": "#2ca02c"}
@@ -52,24 +52,37 @@ def draw_bit_layout(ax, x: float, dtypes=(torch.float32, torch.float16, torch.bf
 
     short = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
     for row, dtype in enumerate(dtypes):
-        name, y = str(dtype).replace("torch.", ""), -1.5 * row             # rows 1.5 apart: room for the labels
+        name, y = str(dtype).replace("torch.", ""), -1.5 * row  # rows 1.5 apart: room for the labels
         b = float_bits(x, dtype)
         E, M = len(b["exponent"]), len(b["mantissa"])
         position = 0
         for field in ("sign", "exponent", "mantissa"):
             bits = b[field]
             for i, bit in enumerate(bits):
-                ax.add_patch(Rectangle((position, y - 0.4), 1, 0.8, facecolor=FIELD_COLORS[field],
-                                       alpha=0.85 if bit == "1" else 0.3, edgecolor="white"))
+                ax.add_patch(
+                    Rectangle(
+                        (position, y - 0.4),
+                        1,
+                        0.8,
+                        facecolor=FIELD_COLORS[field],
+                        alpha=0.85 if bit == "1" else 0.3,
+                        edgecolor="white",
+                    )
+                )
                 ax.text(position + 0.5, y, bit, ha="center", va="center", fontsize=7, gid=f"{name}|{field}|{i}")
                 position += 1
             label = {"sign": "s", "exponent": f"exponent ({E})", "mantissa": f"mantissa ({M})"}[field]
             ax.text(position - len(bits) / 2, y + 0.5, label, ha="center", va="bottom", fontsize=7)
         bias = 2 ** (E - 1) - 1
         e, m = int(b["exponent"], 2), int(b["mantissa"], 2)
-        ax.text(33, y, f"{short[dtype]}: (−1)^{b['sign']} × 2^({e} − {bias}) × (1 + {m}/2^{M})\n"
-                          f"= {decode_bits(b['sign'], b['exponent'], b['mantissa']):.12g}",
-                va="center", fontsize=8)
+        ax.text(
+            33,
+            y,
+            f"{short[dtype]}: (−1)^{b['sign']} × 2^({e} − {bias}) × (1 + {m}/2^{M})\n"
+            f"= {decode_bits(b['sign'], b['exponent'], b['mantissa']):.12g}",
+            va="center",
+            fontsize=8,
+        )
     ax.set_xlim(-0.5, 52)
     ax.set_ylim(-1.5 * (len(dtypes) - 1) - 0.6, 1.0)
     ax.set_xlabel("bit position, from the most significant (sign) bit")
@@ -82,10 +95,19 @@ def finfo_table(dtypes=(torch.float32, torch.float16, torch.bfloat16)) -> list[d
     for dtype in dtypes:
         fi = torch.finfo(dtype)
         E, M = FORMATS[dtype]
-        rows.append({"dtype": str(dtype).replace("torch.", ""), "bits": fi.bits, "exponent_bits": E,
-                     "mantissa_bits": M, "max": fi.max, "smallest_normal": fi.smallest_normal,
-                     "smallest_subnormal": 2.0 ** (1 - (2 ** (E - 1) - 1) - M), "eps": fi.eps,
-                     "decimal_digits": M * math.log10(2)})
+        rows.append(
+            {
+                "dtype": str(dtype).replace("torch.", ""),
+                "bits": fi.bits,
+                "exponent_bits": E,
+                "mantissa_bits": M,
+                "max": fi.max,
+                "smallest_normal": fi.smallest_normal,
+                "smallest_subnormal": 2.0 ** (1 - (2 ** (E - 1) - 1) - M),
+                "eps": fi.eps,
+                "decimal_digits": M * math.log10(2),
+            }
+        )
     return rows
 
 
@@ -106,14 +128,18 @@ def sequential_sum(values: torch.Tensor, dtype: torch.dtype) -> float:
     return acc.item()
 
 # %% ../notebooks/03_mixed_precision.ipynb #b2c591de
-def autocast_output_dtypes(model: nn.Module, x: torch.Tensor, device_type: str = "cpu",
-                           dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.dtype]:
+def autocast_output_dtypes(
+    model: nn.Module, x: torch.Tensor, device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16
+) -> dict[str, torch.dtype]:
     """Run `model(x)` under autocast and return each submodule's output dtype, keyed "name (Type)" (03)."""
     seen, hooks = {}, []
     for name, module in model.named_modules():
         if name:
-            hooks.append(module.register_forward_hook(
-                lambda mod, inp, out, key=f"{name} ({type(module).__name__})": seen.__setitem__(key, out.dtype)))
+            hooks.append(
+                module.register_forward_hook(
+                    lambda mod, inp, out, key=f"{name} ({type(module).__name__})": seen.__setitem__(key, out.dtype)
+                )
+            )
     try:
         with torch.autocast(device_type, dtype=dtype):
             model(x)

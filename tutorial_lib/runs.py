@@ -15,9 +15,17 @@ from pathlib import Path
 
 import torch
 
+from tutorial_lib.checkpoints import (
+    DiskFullError,
+    RunFolderError,
+    atomic_write_text,
+    checkpoint_run_id,
+    folder_run_id,
+    format_bytes,
+    latest_checkpoint,
+)
+
 from .accel import is_main_process
-from .checkpoints import (
-    DiskFullError, RunFolderError, atomic_write_text, checkpoint_run_id, folder_run_id, format_bytes, latest_checkpoint)
 from .core import UserError
 
 # %% auto #0
@@ -50,11 +58,14 @@ class RunLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise RunFolderError(f"{self.path.parent} is in use by another run ({before or 'unknown process'}): "
-                                 "wait for it to end, or give this run another --experiment_name") from None
+            raise RunFolderError(
+                f"{self.path.parent} is in use by another run ({before or 'unknown process'}): "
+                "wait for it to end, or give this run another --experiment_name"
+            ) from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-                  .encode(), 0)
+        os.pwrite(
+            fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0
+        )
         self.fd = fd
         return before
 
@@ -85,8 +96,13 @@ def check_writable(folder: str | os.PathLike, what: str) -> None:
         raise UserError(f"{what} is not writable ({err.strerror or err}); choose a folder you can write to") from None
 
 # %% ../notebooks/06b_run_safety.ipynb #40aefec1
-def claim_run_folder(run_dir: str | os.PathLike, fresh: bool, overwrite: bool = False, accelerator=None,
-                     resume_from: str | os.PathLike | None = None) -> RunLock | None:
+def claim_run_folder(
+    run_dir: str | os.PathLike,
+    fresh: bool,
+    overwrite: bool = False,
+    accelerator=None,
+    resume_from: str | os.PathLike | None = None,
+) -> RunLock | None:
     """Lock `run_dir` for this run. A `fresh` run refuses a folder that holds another run, unless `overwrite`
     moves that run aside first (`<name>.replaced-<time>`, nothing deleted); so does a resume of the checkpoint
     `resume_from` (a path: it continues that checkpoint's run) into a folder holding another run. A resume reads the
@@ -115,13 +131,17 @@ def claim_run_folder(run_dir: str | os.PathLike, fresh: bool, overwrite: bool = 
             own = folder_run_id(run_dir)  # raises for a damaged config.json, or checkpoints of several runs
             takes_folder = resume_from is not None and own != checkpoint_run_id(Path(resume_from))
         if existing and takes_folder and not overwrite:
-            raise RunFolderError(f"{run_dir} already holds a run ({', '.join(existing)}): resume it with "
-                                 "--resume_from_checkpoint latest, give this run another --experiment_name, or pass "
-                                 "--overwrite to move the old run aside (nothing is deleted)")
+            raise RunFolderError(
+                f"{run_dir} already holds a run ({', '.join(existing)}): resume it with "
+                "--resume_from_checkpoint latest, give this run another --experiment_name, or pass "
+                "--overwrite to move the old run aside (nothing is deleted)"
+            )
     except RunFolderError:
         lock.release()
         raise
-    if existing and takes_folder:  # --overwrite: the old run, lock file included, moves aside whole; this run starts a new folder
+    if (
+        existing and takes_folder
+    ):  # --overwrite: the old run, lock file included, moves aside whole; this run starts a new folder
         aside = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
         run_dir.rename(aside)
         new_lock = RunLock(run_dir)
@@ -143,8 +163,11 @@ def write_run_config(run_dir: str | os.PathLike, config: dict, step: int, watche
     before = before if isinstance(before, dict) else {}
     changes = []
     if before.get("run_id") == config.get("run_id"):  # a resume of this run, not a new one
-        changes = before.get("changes", []) + [{"step": step, "flag": k, "from": before[k], "to": config[k]}
-                                               for k in watched if k in before and before[k] != config[k]]
+        changes = before.get("changes", []) + [
+            {"step": step, "flag": k, "from": before[k], "to": config[k]}
+            for k in watched
+            if k in before and before[k] != config[k]
+        ]
     atomic_write_text(path, json.dumps({**config, "changes": changes}, indent=2, default=str))
     return changes
 
@@ -169,7 +192,9 @@ def cut_metrics(path: str | os.PathLike, before_epoch: int, warn=None) -> dict:
     if path.exists():
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
     if warn is not None and (later or torn):
-        warn(f"warning: {path.name} cut back to epoch {before_epoch}: {later} later and {torn} unreadable line(s) dropped")
+        warn(
+            f"warning: {path.name} cut back to epoch {before_epoch}: {later} later and {torn} unreadable line(s) dropped"
+        )
     return {"kept": kept, "dropped_later": later, "dropped_unreadable": torn}
 
 # %% ../notebooks/06b_run_safety.ipynb #5dac9cc2
@@ -191,9 +216,11 @@ def check_free_space(run_dir: str | os.PathLike, need: int, accelerator=None) ->
         return
     free = shutil.disk_usage(run_dir).free
     if free < need:
-        raise DiskFullError(f"not enough space on the disk of {run_dir} for a checkpoint: one needs about "
-                            f"{format_bytes(need)}, {format_bytes(free)} are free; free some space or choose another "
-                            "--working_directory")
+        raise DiskFullError(
+            f"not enough space on the disk of {run_dir} for a checkpoint: one needs about "
+            f"{format_bytes(need)}, {format_bytes(free)} are free; free some space or choose another "
+            "--working_directory"
+        )
 
 
 def checkpoint_size(model: torch.nn.Module, momentum: bool, ema: torch.nn.Module | None = None) -> int:
@@ -222,8 +249,15 @@ class NonFiniteGuard:
     optimizer step (one sync): a step whose loss was NaN/Inf on *any* process is skipped by all of
     them and counted in `skipped`; `max_in_a_row` skips in a row stop the run (it diverged)."""
 
-    def __init__(self, accelerator, mode: str = "stop", skipped: int = 0, in_a_row: int = 0,
-                 max_in_a_row: int = 10, inject_at: list[int] | None = None):
+    def __init__(
+        self,
+        accelerator,
+        mode: str = "stop",
+        skipped: int = 0,
+        in_a_row: int = 0,
+        max_in_a_row: int = 10,
+        inject_at: list[int] | None = None,
+    ):
         self.accelerator, self.mode, self.max_in_a_row = accelerator, mode, max_in_a_row
         self.skipped, self.in_a_row = skipped, in_a_row  # the caller keeps them across epochs and resumes
         self.inject_at = set(inject_at or ())  # testing hook (11a): the main process's loss is NaN at these steps
@@ -251,13 +285,18 @@ class NonFiniteGuard:
         self.window_bad = False
         self.in_a_row = self.in_a_row + 1 if bad else 0
         if self.in_a_row >= self.max_in_a_row:
-            raise NonFiniteLossError(f"the loss was NaN or Inf at {self.in_a_row} optimizer steps in a row (up to "
-                                     f"step {step}): skipping does not help, the run diverged; lower --learning_rate "
-                                     "or set --max_grad_norm and resume from an earlier checkpoint")
+            raise NonFiniteLossError(
+                f"the loss was NaN or Inf at {self.in_a_row} optimizer steps in a row (up to "
+                f"step {step}): skipping does not help, the run diverged; lower --learning_rate "
+                "or set --max_grad_norm and resume from an earlier checkpoint"
+            )
         if bad:
             self.skipped += 1
-            self.accelerator.print(f"warning: non-finite loss at optimizer step {step}: step skipped "
-                                   f"({self.skipped} so far)", file=sys.stderr, flush=True)
+            self.accelerator.print(
+                f"warning: non-finite loss at optimizer step {step}: step skipped ({self.skipped} so far)",
+                file=sys.stderr,
+                flush=True,
+            )
         return bad
 
     def check(self, epoch: int, run_dir: str | os.PathLike) -> None:
@@ -271,7 +310,8 @@ class NonFiniteGuard:
                 f"the loss became NaN or Inf at optimizer step {int(steps.min())} (epoch {epoch}); training "
                 f"stopped and nothing after it was saved. Last good checkpoint: {latest_checkpoint(run_dir) or 'none'}. "
                 "Lower --learning_rate or set --max_grad_norm and resume with --resume_from_checkpoint latest, or "
-                "pass --on_nonfinite_loss skip to skip such steps")
+                "pass --on_nonfinite_loss skip to skip such steps"
+            )
 
 # %% ../notebooks/06b_run_safety.ipynb #f25e1ba3
 class StopAtOnce(KeyboardInterrupt):
@@ -294,16 +334,21 @@ class StopRequest:
     number: 143 SIGTERM, 138 SIGUSR1, 130 SIGINT), so a scheduler still sees a terminated job, with its
     checkpoint saved."""
 
-    def __init__(self, accelerator, every: int = 10, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"),
-                 same_press: float = 1.0):
+    def __init__(
+        self,
+        accelerator,
+        every: int = 10,
+        signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"),
+        same_press: float = 1.0,
+    ):
         self.accelerator, self.every, self.signals, self.same_press = accelerator, every, signals, same_press
         self.received: str | None = None  # the first signal this process received, if any
-        self.stopped = False              # `requested` said yes: the run stops
+        self.stopped = False  # `requested` said yes: the run stops
         self._previous: dict = {}
-        self._owner: int | None = None    # the process that entered
+        self._owner: int | None = None  # the process that entered
         self._interrupted_at: float | None = None  # time of the first Ctrl-C
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():  # Python sets handlers in the main thread only
             self._owner = os.getpid()
             for name in self.signals:
@@ -324,8 +369,10 @@ class StopRequest:
             now = time.monotonic()
             if self._interrupted_at is None:
                 self._interrupted_at = now
-                self._say("Ctrl-C: stopping after this optimizer step, with a checkpoint; "
-                          "press Ctrl-C again to stop at once, without one")
+                self._say(
+                    "Ctrl-C: stopping after this optimizer step, with a checkpoint; "
+                    "press Ctrl-C again to stop at once, without one"
+                )
             elif now - self._interrupted_at >= self.same_press:  # a second Ctrl-C, not the first one twice
                 self.__exit__()  # the previous handlers are back: a third Ctrl-C is a plain KeyboardInterrupt
                 raise StopAtOnce("a second Ctrl-C: stopped at once, without a checkpoint")

@@ -18,9 +18,17 @@ __all__ = ['SCHEDULES', 'lr_factor', 'build_scheduler', 'lr_curve', 'num_optimiz
 SCHEDULES = ("constant", "step", "multistep", "cosine", "linear", "onecycle")
 
 
-def lr_factor(step: int, name: str, total_steps: int, warmup_steps: int = 0, warmup_start_factor: float = 0.01,
-              step_size: int | None = None, gamma: float = 0.1, milestones: list[int] | None = None,
-              min_factor: float = 0.0) -> float:
+def lr_factor(
+    step: int,
+    name: str,
+    total_steps: int,
+    warmup_steps: int = 0,
+    warmup_start_factor: float = 0.01,
+    step_size: int | None = None,
+    gamma: float = 0.1,
+    milestones: list[int] | None = None,
+    min_factor: float = 0.0,
+) -> float:
     """Multiplier of the base lr after `step` optimizer steps (the formulas of 05, no torch involved)."""
     s, W, T, m = warmup_start_factor, warmup_steps, total_steps, min_factor
     warmup = s + (1 - s) * min(step, W) / W if W > 0 else 1.0
@@ -62,9 +70,17 @@ def _check_schedule_args(name, total_steps, warmup_steps, warmup_start_factor, s
         raise ValueError(f"name='onecycle' needs 1 <= warmup_steps <= total_steps // 2, got {warmup_steps}")
 
 # %% ../notebooks/05_lr_schedules.ipynb #d20d2b13
-def build_scheduler(optimizer: torch.optim.Optimizer, name: str, total_steps: int, warmup_steps: int = 0,
-                    warmup_start_factor: float = 0.01, step_size: int | None = None, gamma: float = 0.1,
-                    milestones: list[int] | None = None, min_lr: float = 0.0) -> LRScheduler:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer,
+    name: str,
+    total_steps: int,
+    warmup_steps: int = 0,
+    warmup_start_factor: float = 0.01,
+    step_size: int | None = None,
+    gamma: float = 0.1,
+    milestones: list[int] | None = None,
+    min_lr: float = 0.0,
+) -> LRScheduler:
     """A `LambdaLR` following `lr_factor`: linear warmup, then the decay `name` (taught in 05).
 
     Everything is counted in OPTIMIZER steps; call `scheduler.step()` once per optimizer step (with
@@ -76,10 +92,19 @@ def build_scheduler(optimizer: torch.optim.Optimizer, name: str, total_steps: in
         base_lr = group.get("initial_lr", group["lr"])
         if min_lr < 0 or (base_lr > 0 and min_lr > base_lr):
             raise ValueError(f"min_lr must be in [0, lr={base_lr}], got {min_lr}")
-        lambdas.append(partial(lr_factor, name=name, total_steps=int(total_steps), warmup_steps=int(warmup_steps),
-                               warmup_start_factor=warmup_start_factor, step_size=step_size, gamma=gamma,
-                               milestones=list(milestones) if milestones else None,
-                               min_factor=min_lr / base_lr if base_lr > 0 else 0.0))
+        lambdas.append(
+            partial(
+                lr_factor,
+                name=name,
+                total_steps=int(total_steps),
+                warmup_steps=int(warmup_steps),
+                warmup_start_factor=warmup_start_factor,
+                step_size=step_size,
+                gamma=gamma,
+                milestones=list(milestones) if milestones else None,
+                min_factor=min_lr / base_lr if base_lr > 0 else 0.0,
+            )
+        )
     return LambdaLR(optimizer, lambdas)
 
 
@@ -99,8 +124,11 @@ def num_optimizer_steps(batches_per_epoch: int, gradient_accumulation_steps: int
     """Optimizer steps in a run: ceil(micro-batches per epoch / accumulation) × epochs (taught in 05).
 
     `batches_per_epoch` is `len(train_loader)` on ONE process, after `accelerator.prepare` sharded it."""
-    for name, value in [("batches_per_epoch", batches_per_epoch),
-                        ("gradient_accumulation_steps", gradient_accumulation_steps), ("epochs", epochs)]:
+    for name, value in [
+        ("batches_per_epoch", batches_per_epoch),
+        ("gradient_accumulation_steps", gradient_accumulation_steps),
+        ("epochs", epochs),
+    ]:
         if int(value) != value or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return math.ceil(batches_per_epoch / gradient_accumulation_steps) * int(epochs)
@@ -119,8 +147,9 @@ def move_schedule(scheduler: LRScheduler, step: int, base_lrs: list[float] | Non
     scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
 # %% ../notebooks/05_lr_schedules.ipynb #ed923f95
-def resume_with_flags(optimizer: torch.optim.Optimizer, scheduler: LRScheduler, wanted_groups: list[dict],
-                      step: int) -> bool:
+def resume_with_flags(
+    optimizer: torch.optim.Optimizer, scheduler: LRScheduler, wanted_groups: list[dict], step: int
+) -> bool:
     """After a checkpoint is loaded: peak LR, momentum and weight decay of each group from `wanted_groups` (the
     param groups the current flags build), and the schedule at `step`. Returns whether anything changed."""
     changed = False

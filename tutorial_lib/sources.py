@@ -8,9 +8,9 @@ import json
 import os
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -44,8 +44,10 @@ def embedded_data_path() -> Path:
 
     path = Path(str(files("tutorial_lib") / "assets" / "cifar10_small"))
     if not (path / "train").is_dir():
-        raise FileNotFoundError(f"embedded dataset missing at {path}: reinstall tutorial_lib with its package "
-                                "data (pip install -e .), or pass the path of your own dataset")
+        raise FileNotFoundError(
+            f"embedded dataset missing at {path}: reinstall tutorial_lib with its package "
+            "data (pip install -e .), or pass the path of your own dataset"
+        )
     return path
 
 
@@ -60,8 +62,10 @@ def find_split_dirs(root: str | os.PathLike) -> tuple[Path, Path]:
     Taught in 07 §1 and 07a §1; the training script calls it on `--path_to_data`."""
     root = Path(root).expanduser()
     if not root.exists():
-        raise MissingPathError(f"data folder {root} does not exist: pass the folder that holds train/ and val/ "
-                               "(for example --path_to_data /data/imagenet)")
+        raise MissingPathError(
+            f"data folder {root} does not exist: pass the folder that holds train/ and val/ "
+            "(for example --path_to_data /data/imagenet)"
+        )
     if not root.is_dir():
         raise NotADirectoryError(f"{root} is a file: pass the folder that holds train/ and val/")
     expected = f"expected {root}/train/<class>/*.JPEG and {root}/val/<class>/*.JPEG"
@@ -81,12 +85,13 @@ def is_image_name(name: str) -> bool:
 @dataclass
 class ScanReport:
     """What a scan of an image folder left out, by reason, so that nothing is dropped without a count (07a §1)."""
+
     folder: str
-    hidden_files: list[str] = field(default_factory=list)    # names starting with '.' (.DS_Store, ._x.JPEG)
+    hidden_files: list[str] = field(default_factory=list)  # names starting with '.' (.DS_Store, ._x.JPEG)
     hidden_folders: list[str] = field(default_factory=list)  # .ipynb_checkpoints/, .git/, …: not entered
-    not_images: list[str] = field(default_factory=list)      # no image extension (.tif, .txt, none), broken links
-    revisited: list[str] = field(default_factory=list)       # folders reached again through a link: not entered again
-    unreadable: list[str] = field(default_factory=list)      # folders the scan could not list (permissions)
+    not_images: list[str] = field(default_factory=list)  # no image extension (.tif, .txt, none), broken links
+    revisited: list[str] = field(default_factory=list)  # folders reached again through a link: not entered again
+    unreadable: list[str] = field(default_factory=list)  # folders the scan could not list (permissions)
 
     def counts(self) -> dict[str, int]:
         """Number of entries left out for each reason."""
@@ -94,6 +99,7 @@ class ScanReport:
 
     def line(self) -> str | None:
         """One warning line naming what was left out and why, or None when nothing was."""
+
         def some(paths: list[str]) -> str:
             return os.path.relpath(sorted(paths)[0], self.folder)
 
@@ -102,20 +108,31 @@ class ScanReport:
 
         parts = []
         if self.hidden_files or self.hidden_folders:
-            hidden = [plural(n, f"hidden {w}") for n, w in [(len(self.hidden_files), "file"),
-                                                            (len(self.hidden_folders), "folder")] if n]
-            parts.append(f"{' and '.join(hidden)} (names starting with '.', e.g. "
-                         f"{some(self.hidden_folders or self.hidden_files)})")
+            hidden = [
+                plural(n, f"hidden {w}")
+                for n, w in [(len(self.hidden_files), "file"), (len(self.hidden_folders), "folder")]
+                if n
+            ]
+            parts.append(
+                f"{' and '.join(hidden)} (names starting with '.', e.g. "
+                f"{some(self.hidden_folders or self.hidden_files)})"
+            )
         if self.not_images:
             kinds = sorted({os.path.splitext(p)[1].lower() or "no extension" for p in self.not_images})
-            parts.append(f"{plural(len(self.not_images), 'file')} that {'is' if len(self.not_images) == 1 else 'are'} "
-                         f"not an image by name ({', '.join(kinds[:5])}{', …' if len(kinds) > 5 else ''}; "
-                         f"e.g. {some(self.not_images)}; images end in {'/'.join(IMG_EXTENSIONS)})")
+            parts.append(
+                f"{plural(len(self.not_images), 'file')} that {'is' if len(self.not_images) == 1 else 'are'} "
+                f"not an image by name ({', '.join(kinds[:5])}{', …' if len(kinds) > 5 else ''}; "
+                f"e.g. {some(self.not_images)}; images end in {'/'.join(IMG_EXTENSIONS)})"
+            )
         if self.revisited:
-            parts.append(f"{plural(len(self.revisited), 'folder')} reached again through a link, read once "
-                         f"(e.g. {some(self.revisited)})")
+            parts.append(
+                f"{plural(len(self.revisited), 'folder')} reached again through a link, read once "
+                f"(e.g. {some(self.revisited)})"
+            )
         if self.unreadable:
-            parts.append(f"{plural(len(self.unreadable), 'folder')} that cannot be listed (e.g. {some(self.unreadable)})")
+            parts.append(
+                f"{plural(len(self.unreadable), 'folder')} that cannot be listed (e.g. {some(self.unreadable)})"
+            )
         return f"warning: {self.folder}: left out {', '.join(parts)}" if parts else None
 
 # %% ../notebooks/07a_imagenet_sources.ipynb #a4c84bab
@@ -123,8 +140,9 @@ def _walk_images(top: str, visited: set[str], report: ScanReport) -> list[str]:
     """Image files under `top`, sorted. Links are followed, but each folder is entered once, by its real
     path (`visited`), so a link loop cannot multiply the images; what is left out goes into `report`."""
     files = []
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=True,
-                                                onerror=lambda err: report.unreadable.append(err.filename)):
+    for dirpath, dirnames, filenames in os.walk(
+        top, followlinks=True, onerror=lambda err: report.unreadable.append(err.filename)
+    ):
         kept = []
         for name in dirnames:
             path = os.path.join(dirpath, name)
@@ -140,12 +158,15 @@ def _walk_images(top: str, visited: set[str], report: ScanReport) -> list[str]:
         dirnames[:] = kept  # os.walk enters only these
         for name in filenames:
             path = os.path.join(dirpath, name)
-            (files if is_image_name(name) else report.hidden_files if name.startswith(".") else report.not_images).append(path)
+            (
+                files if is_image_name(name) else report.hidden_files if name.startswith(".") else report.not_images
+            ).append(path)
     return sorted(files)
 
 
-def scan_image_folder(folder: str | os.PathLike, report: ScanReport | None = None
-                      ) -> tuple[list[str], list[tuple[str, int]]]:
+def scan_image_folder(
+    folder: str | os.PathLike, report: ScanReport | None = None
+) -> tuple[list[str], list[tuple[str, int]]]:
     """Sorted class names and `(path, class_index)` samples of one split folder `<class>/<image>`.
 
     Refuses (one line each) a missing folder, a folder without class folders, loose images beside
@@ -161,13 +182,17 @@ def scan_image_folder(folder: str | os.PathLike, report: ScanReport | None = Non
     loose = [e.name for e in entries if e.is_file() and is_image_name(e.name)]
     prepare = f"python -m tutorial_lib.data prepare-val {folder} MAPPING --apply"
     if not class_dirs and loose:
-        raise DataLayoutError(f"{folder} holds {len(loose)} images but no class folders (the flat ILSVRC2012 "
-                              f"validation layout): sort them into class folders with `{prepare}`")
+        raise DataLayoutError(
+            f"{folder} holds {len(loose)} images but no class folders (the flat ILSVRC2012 "
+            f"validation layout): sort them into class folders with `{prepare}`"
+        )
     if not class_dirs:
         raise DataLayoutError(f"no images and no class folders in {folder}: expected {folder}/<class>/*.JPEG")
     if loose:
-        raise DataLayoutError(f"{folder} mixes {len(loose)} loose images (e.g. {loose[0]}) with "
-                              f"{len(class_dirs)} class folders: move them into their class folders (`{prepare}`)")
+        raise DataLayoutError(
+            f"{folder} mixes {len(loose)} loose images (e.g. {loose[0]}) with "
+            f"{len(class_dirs)} class folders: move them into their class folders (`{prepare}`)"
+        )
     for e in entries:  # beside the class folders: hidden entries and files that are not images
         if e.name.startswith("."):
             (report.hidden_folders if e.is_dir() else report.hidden_files).append(e.path)
@@ -177,16 +202,20 @@ def scan_image_folder(folder: str | os.PathLike, report: ScanReport | None = Non
     for name in class_dirs:
         real = os.path.realpath(folder / name)
         if real in first_class:
-            raise DataLayoutError(f"class folders {folder / first_class[real]} and {folder / name} are the same folder "
-                                  f"({real}, through a link): give each class its own folder")
+            raise DataLayoutError(
+                f"class folders {folder / first_class[real]} and {folder / name} are the same folder "
+                f"({real}, through a link): give each class its own folder"
+            )
         first_class[real] = name
     visited |= set(first_class)
     samples = []
     for index, name in enumerate(class_dirs):
         files = _walk_images(str(folder / name), visited, report)
         if not files:
-            raise DataLayoutError(f"class folder {folder / name} has no images ({'/'.join(IMG_EXTENSIONS)}): "
-                                  "add its images or delete the empty folder")
+            raise DataLayoutError(
+                f"class folder {folder / name} has no images ({'/'.join(IMG_EXTENSIONS)}): "
+                "add its images or delete the empty folder"
+            )
         samples.extend((f, index) for f in files)
     return class_dirs, samples
 
@@ -233,6 +262,7 @@ class DataSource:
 
     `location` is the folder or the Hub id; `files` maps `"train"` and `"validation"` to what each split
     is read from: its one folder (folders) or its shard files, in order (parquet)."""
+
     kind: str
     location: str
     files: dict[str, list[str]] | None = None
@@ -248,8 +278,10 @@ def require_datasets(what: str) -> None:
     import importlib.util
 
     if importlib.util.find_spec("datasets") is None:
-        raise DataSourceError(f"{what} is read with the 🤗 datasets library, which is not installed: "
-                              'pip install -e ".[hub]" (or pip install datasets)')
+        raise DataSourceError(
+            f"{what} is read with the 🤗 datasets library, which is not installed: "
+            'pip install -e ".[hub]" (or pip install datasets)'
+        )
 
 
 def _parquet_split(path: Path) -> str | None:
@@ -258,7 +290,6 @@ def _parquet_split(path: Path) -> str | None:
         if word.lower() in SPLIT_ALIASES:
             return SPLIT_ALIASES[word.lower()]
     return None
-
 
 # %% ../notebooks/07a_imagenet_sources.ipynb #5b71c66d
 def resolve_data_source(path_to_data: str | os.PathLike | DataSource) -> DataSource:
@@ -277,42 +308,59 @@ def resolve_data_source(path_to_data: str | os.PathLike | DataSource) -> DataSou
         if _HUB_ID.match(text):
             require_datasets(f"{text} (not a local folder, so a Hugging Face Hub id)")
             return DataSource("hub", text)
-        raise MissingPathError(f"data folder {root} does not exist: pass the folder that holds train/ and val/ or "
-                               "parquet shards (for example --path_to_data /data/imagenet), or a Hugging Face Hub id "
-                               "such as ILSVRC/imagenet-1k")
+        raise MissingPathError(
+            f"data folder {root} does not exist: pass the folder that holds train/ and val/ or "
+            "parquet shards (for example --path_to_data /data/imagenet), or a Hugging Face Hub id "
+            "such as ILSVRC/imagenet-1k"
+        )
     if root.is_file():
-        hint = (f"unpack the official archives first: python -m tutorial_lib.data from-archives {root.parent} OUT_DIR"
-                if root.name in OFFICIAL_ARCHIVES else "pass the folder that holds the shards"
-                if root.suffix == ".parquet" else "pass the folder that holds train/ and val/")
+        hint = (
+            f"unpack the official archives first: python -m tutorial_lib.data from-archives {root.parent} OUT_DIR"
+            if root.name in OFFICIAL_ARCHIVES
+            else "pass the folder that holds the shards"
+            if root.suffix == ".parquet"
+            else "pass the folder that holds train/ and val/"
+        )
         raise NotADirectoryError(f"{root} is a file: {hint}")
     if (root / "dataset_dict.json").is_file():  # DatasetDict.save_to_disk
         splits = json.loads((root / "dataset_dict.json").read_text()).get("splits", [])
         if "train" not in splits or not {"validation", "val"} & set(splits):
-            raise DataSourceError(f"{root} (written by save_to_disk) has the splits {splits}: it needs 'train' and "
-                                  "'validation'")
+            raise DataSourceError(
+                f"{root} (written by save_to_disk) has the splits {splits}: it needs 'train' and 'validation'"
+            )
         require_datasets(str(root))
         return DataSource("saved", str(root))
     if (root / "state.json").is_file():  # Dataset.save_to_disk: a single split
-        raise DataSourceError(f"{root} holds one split written by save_to_disk: save a DatasetDict with 'train' and "
-                              "'validation' splits instead")
-    shards = sorted(p for pattern in ("*.parquet", "*/*.parquet") for p in root.glob(pattern) if not p.name.startswith("."))
+        raise DataSourceError(
+            f"{root} holds one split written by save_to_disk: save a DatasetDict with 'train' and "
+            "'validation' splits instead"
+        )
+    shards = sorted(
+        p for pattern in ("*.parquet", "*/*.parquet") for p in root.glob(pattern) if not p.name.startswith(".")
+    )
     if shards:
         files: dict[str, list[str]] = {}
         for p in shards:
             split = _parquet_split(p)
             if split is None:
-                raise DataSourceError(f"cannot tell the split of {p.relative_to(root)} in {root}: name the shards "
-                                      "train-*.parquet and validation-*.parquet, or put them in train/ and validation/")
+                raise DataSourceError(
+                    f"cannot tell the split of {p.relative_to(root)} in {root}: name the shards "
+                    "train-*.parquet and validation-*.parquet, or put them in train/ and validation/"
+                )
             files.setdefault(split, []).append(str(p))
         missing = [s for s in ("train", "validation") if s not in files]
         if missing:
-            raise DataSourceError(f"{root} has parquet shards for {sorted(files)} but none for {missing}: expected "
-                                  "train-*.parquet and validation-*.parquet files")
+            raise DataSourceError(
+                f"{root} has parquet shards for {sorted(files)} but none for {missing}: expected "
+                "train-*.parquet and validation-*.parquet files"
+            )
         require_datasets(str(root))
         return DataSource("parquet", str(root), {s: files[s] for s in ("train", "validation")})
     if any((root / name).is_file() for name in OFFICIAL_ARCHIVES):
-        raise DataSourceError(f"{root} holds the official ILSVRC2012 archives: unpack them first with "
-                              f"python -m tutorial_lib.data from-archives {root} OUT_DIR, then pass OUT_DIR")
+        raise DataSourceError(
+            f"{root} holds the official ILSVRC2012 archives: unpack them first with "
+            f"python -m tutorial_lib.data from-archives {root} OUT_DIR, then pass OUT_DIR"
+        )
     train, val = find_split_dirs(root)  # raises, naming what is missing
     return DataSource("folders", str(root), {"train": [str(train)], "validation": [str(val)]})
 
@@ -336,9 +384,15 @@ def error_reason(err: BaseException) -> str:
 def unreadable_image(path, err: BaseException) -> UnreadableImageError:
     """The one-line error that names an image file that cannot be read or decoded, and says what to do."""
     verb = "read" if isinstance(err, OSError) and err.filename is not None else "decode"  # the file itself vs its bytes
-    why = " (a broken link, or a file deleted after the folders were scanned)" if isinstance(err, FileNotFoundError) else ""
-    return UnreadableImageError(f"cannot {verb} image {path}: {error_reason(err)}{why}; delete or replace the file, "
-                                "or build the datasets with on_bad_file='skip'")
+    why = (
+        " (a broken link, or a file deleted after the folders were scanned)"
+        if isinstance(err, FileNotFoundError)
+        else ""
+    )
+    return UnreadableImageError(
+        f"cannot {verb} image {path}: {error_reason(err)}{why}; delete or replace the file, "
+        "or build the datasets with on_bad_file='skip'"
+    )
 
 
 def read_bytes(path: str | os.PathLike) -> Tensor:
@@ -355,6 +409,7 @@ class FolderReader:
     """The samples of one split folder `<class>/<image>`, scanned once: sample i is the i-th file, read as bytes.
 
     What the datasets of 07d read a folder through (`read`, `name`, `classes`, `samples`, `targets`, `left_out`)."""
+
     advice = None  # a file that cannot be decoded: the decoder's own advice (delete or replace the file)
 
     def __init__(self, folder: str | os.PathLike):
@@ -383,10 +438,15 @@ def open_readers(source: DataSource, cache_dir: str | None = None) -> tuple:
     train_dir, val_dir = (Path(source.files[split][0]) for split in ("train", "validation"))
     train, val = FolderReader(train_dir), FolderReader(val_dir)
     if train.classes != val.classes:
-        only_train, only_val = sorted(set(train.classes) - set(val.classes)), sorted(set(val.classes) - set(train.classes))
-        raise DataLayoutError(f"{train_dir} has {len(train.classes)} classes and {val_dir} has {len(val.classes)}; "
-                              f"only in train: {only_train[:5]}, only in {val_dir.name}: {only_val[:5]}: "
-                              "give both splits the same class folders (labels are positions in the sorted list)")
+        only_train, only_val = (
+            sorted(set(train.classes) - set(val.classes)),
+            sorted(set(val.classes) - set(train.classes)),
+        )
+        raise DataLayoutError(
+            f"{train_dir} has {len(train.classes)} classes and {val_dir} has {len(val.classes)}; "
+            f"only in train: {only_train[:5]}, only in {val_dir.name}: {only_val[:5]}: "
+            "give both splits the same class folders (labels are positions in the sorted list)"
+        )
     return train, val
 
 # %% ../notebooks/07a_imagenet_sources.ipynb #9d070f90
@@ -410,13 +470,15 @@ def _record_columns(records, name: str) -> tuple[str, str]:
 
     features = records.features
     images = [c for c, f in features.items() if isinstance(f, ImageFeature)]
-    labels = [c for c, f in features.items() if isinstance(f, ClassLabel)] or [c for c in ("label", "labels")
-                                                                                if c in features]
+    labels = [c for c, f in features.items() if isinstance(f, ClassLabel)] or [
+        c for c in ("label", "labels") if c in features
+    ]
     if not images or not labels:
-        raise DataSourceError(f"{name} has the columns {list(features)}: expected an image column (🤗 Image feature, "
-                              "e.g. 'image') and a label column (ClassLabel, e.g. 'label')")
+        raise DataSourceError(
+            f"{name} has the columns {list(features)}: expected an image column (🤗 Image feature, "
+            "e.g. 'image') and a label column (ClassLabel, e.g. 'label')"
+        )
     return images[0], labels[0]
-
 
 # %% ../notebooks/07a_imagenet_sources.ipynb #8ea4525c
 class RecordReader:
@@ -424,6 +486,7 @@ class RecordReader:
     Hub): sample i is row i, its image column read undecoded, as bytes, never from a path it names (07a §3).
 
     The interface of `FolderReader`; a record is named by its image's name, its file and its row there."""
+
     advice = "replace that file with an intact copy"  # a record that cannot be decoded: its file (a shard) is damaged
 
     def __init__(self, records, name: str = "records", files: Sequence[tuple[str, int]] = ()):
@@ -435,18 +498,26 @@ class RecordReader:
         self.root, self.left_out = name, ScanReport(name)  # records: no folder scan, nothing left out
         labels = records.with_format("arrow")[self.label_column].to_numpy()
         feature = records.features[self.label_column]
-        self.classes = list(feature.names) if isinstance(feature, ClassLabel) else [
-            str(k) for k in range(int(labels.max(initial=-1)) + 1)]
+        self.classes = (
+            list(feature.names)
+            if isinstance(feature, ClassLabel)
+            else [str(k) for k in range(int(labels.max(initial=-1)) + 1)]
+        )
         self._files = [f for f, _ in files]
         self._starts = np.cumsum([0] + [n for _, n in files])[:-1].tolist()
         outside = np.flatnonzero((labels < 0) | (labels >= len(self.classes)))
         if len(outside):  # named by the first such row, with its real value
             row, value = int(outside[0]), int(labels[outside[0]])
-            advice = ("-1 means no label, as in the Hub's test split: train and validate on labelled splits only"
-                      if value == -1 else f"its {len(self.classes)} class names number the labels 0…"
-                      f"{len(self.classes) - 1}: fix the labels or the class names")
-            raise DataSourceError(f"{name} has {len(outside)} labels outside 0…{len(self.classes) - 1}, e.g. {value} at "
-                                  f"{self.describe(row)}: {advice}")
+            advice = (
+                "-1 means no label, as in the Hub's test split: train and validate on labelled splits only"
+                if value == -1
+                else f"its {len(self.classes)} class names number the labels 0…"
+                f"{len(self.classes) - 1}: fix the labels or the class names"
+            )
+            raise DataSourceError(
+                f"{name} has {len(outside)} labels outside 0…{len(self.classes) - 1}, e.g. {value} at "
+                f"{self.describe(row)}: {advice}"
+            )
         self.samples, self.targets = _RowSamples(labels), labels.tolist()
 
     def __len__(self) -> int:
@@ -470,9 +541,11 @@ class RecordReader:
         name = self.describe(row, image.get("path"))
         data = image.get("bytes")
         if data is None:  # a path alone would open whatever file it names on this machine
-            raise UnreadableImageError(f"cannot read image {name}: the record holds no image bytes, and records are "
-                                       "read from their bytes only (never from a path); write the shards with the "
-                                       "images in them, or build the datasets with on_bad_file='skip'")
+            raise UnreadableImageError(
+                f"cannot read image {name}: the record holds no image bytes, and records are "
+                "read from their bytes only (never from a path); write the shards with the "
+                "images in them, or build the datasets with on_bad_file='skip'"
+            )
         return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()), name
 
 # %% ../notebooks/07a_imagenet_sources.ipynb #f08558f5
@@ -497,11 +570,15 @@ def _names_differ(train: Sequence[str], val: Sequence[str], val_split: str) -> s
         return None
     if sorted(train) == sorted(val):
         k = next(k for k, (a, b) in enumerate(zip(train, val)) if a != b)
-        return (f"the same {len(train)} class names in another order (label {k} is {train[k]!r} in train, "
-                f"{val[k]!r} in {val_split})")
+        return (
+            f"the same {len(train)} class names in another order (label {k} is {train[k]!r} in train, "
+            f"{val[k]!r} in {val_split})"
+        )
     only_train, only_val = sorted(set(train) - set(val)), sorted(set(val) - set(train))
-    return (f"other class names ({len(train)} in train, {len(val)} in {val_split}; only in train: {only_train[:3]}, "
-            f"only in {val_split}: {only_val[:3]})")
+    return (
+        f"other class names ({len(train)} in train, {len(val)} in {val_split}; only in train: {only_train[:3]}, "
+        f"only in {val_split}: {only_val[:3]})"
+    )
 
 
 def _declared_names(files: Sequence[str]) -> tuple[str, list[str]] | None:
@@ -518,22 +595,27 @@ def _declared_names(files: Sequence[str]) -> tuple[str, list[str]] | None:
         try:
             schema = pq.read_schema(file)
         except (OSError, ValueError) as err:  # pyarrow.ArrowInvalid is a ValueError
-            raise DataSourceError(f"cannot read the parquet file {file} ({error_reason(err)}): replace it with an intact "
-                                  "copy") from None
+            raise DataSourceError(
+                f"cannot read the parquet file {file} ({error_reason(err)}): replace it with an intact copy"
+            ) from None
         try:
             features = datasets.Features.from_arrow_schema(schema)
         except (ValueError, KeyError, TypeError) as err:
-            raise DataSourceError(f"cannot read the features that {file} declares in its schema ({error_reason(err)}): "
-                                  "replace it with an intact copy") from None
+            raise DataSourceError(
+                f"cannot read the features that {file} declares in its schema ({error_reason(err)}): "
+                "replace it with an intact copy"
+            ) from None
         labels = [f for f in features.values() if isinstance(f, datasets.ClassLabel)]
         if not labels:
             continue
         if declared is None:
             declared = (str(file), list(labels[0].names))
         elif list(labels[0].names) != declared[1]:
-            raise DataLayoutError(f"{file} and {declared[0]}, shards of one split, declare "
-                                  f"{_names_differ(declared[1], labels[0].names, 'the other')}: write the split's "
-                                  "shards with one list of class names")
+            raise DataLayoutError(
+                f"{file} and {declared[0]}, shards of one split, declare "
+                f"{_names_differ(declared[1], labels[0].names, 'the other')}: write the split's "
+                "shards with one list of class names"
+            )
     return declared
 
 # %% ../notebooks/07a_imagenet_sources.ipynb #8672ece8
@@ -549,12 +631,28 @@ def _library_lines_held():
     import huggingface_hub.utils as hub_utils
 
     held: list[logging.LogRecord] = []
-    hide = [] if sys.stderr.isatty() or in_notebook() else [
-        (off, on) for variable, shown, off, on in [
-            ("HF_DATASETS_DISABLE_PROGRESS_BARS", not datasets.are_progress_bars_disabled(),
-             datasets.disable_progress_bars, datasets.enable_progress_bars),
-            ("HF_HUB_DISABLE_PROGRESS_BARS", not hub_utils.are_progress_bars_disabled(),
-             hub_utils.disable_progress_bars, hub_utils.enable_progress_bars)] if shown and variable not in os.environ]
+    hide = (
+        []
+        if sys.stderr.isatty() or in_notebook()
+        else [
+            (off, on)
+            for variable, shown, off, on in [
+                (
+                    "HF_DATASETS_DISABLE_PROGRESS_BARS",
+                    not datasets.are_progress_bars_disabled(),
+                    datasets.disable_progress_bars,
+                    datasets.enable_progress_bars,
+                ),
+                (
+                    "HF_HUB_DISABLE_PROGRESS_BARS",
+                    not hub_utils.are_progress_bars_disabled(),
+                    hub_utils.disable_progress_bars,
+                    hub_utils.enable_progress_bars,
+                ),
+            ]
+            if shown and variable not in os.environ
+        ]
+    )
     for off, _ in hide:
         off()
 
@@ -590,8 +688,9 @@ def _load_splits(source: DataSource, cache_dir: str | None):
     return datasets.load_dataset(source.location, cache_dir=cache_dir)
 
 
-def load_record_readers(source: str | os.PathLike | DataSource, cache_dir: str | None = None
-                        ) -> tuple[RecordReader, RecordReader]:
+def load_record_readers(
+    source: str | os.PathLike | DataSource, cache_dir: str | None = None
+) -> tuple[RecordReader, RecordReader]:
     """Train and validation `RecordReader`s of parquet shards, a `save_to_disk` folder or a Hub id (07a §3).
 
     `open_readers` calls it for every source that is not class folders. `cache_dir`: where `datasets` keeps its Arrow
@@ -606,25 +705,33 @@ def load_record_readers(source: str | os.PathLike | DataSource, cache_dir: str |
         train_names, val_names = (_declared_names(source.files[split]) for split in ("train", "validation"))
         differ = train_names and val_names and _names_differ(train_names[1], val_names[1], "validation")
         if differ:
-            raise DataLayoutError(f"{source.location}: the validation shards declare {differ}, in {val_names[0]}: labels "
-                                  "would not mean the same class; write both splits with one list of class names")
+            raise DataLayoutError(
+                f"{source.location}: the validation shards declare {differ}, in {val_names[0]}: labels "
+                "would not mean the same class; write both splits with one list of class names"
+            )
     try:
         with _library_lines_held():
             splits = _load_splits(source, cache_dir)
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as err:
-        hint = ("" if source.kind != "hub" else " (it is not a local folder either); check the id and the network, "
-                "and for a gated dataset such as ILSVRC/imagenet-1k accept its terms on its Hub page and log in "
-                "with `hf auth login`")
+        hint = (
+            ""
+            if source.kind != "hub"
+            else " (it is not a local folder either); check the id and the network, "
+            "and for a gated dataset such as ILSVRC/imagenet-1k accept its terms on its Hub page and log in "
+            "with `hf auth login`"
+        )
         raise DataSourceError(f"cannot load {source.location}: {error_reason(err)}{hint}") from None
     val_split = next((s for s in ("validation", "val") if s in splits), None)
     if "train" not in splits or val_split is None:
         raise DataSourceError(f"{source.location} has the splits {list(splits)}: it needs 'train' and 'validation'")
     files = source.files or {}
     train = RecordReader(splits["train"], f"{source.location} [train]", _row_files(splits["train"], files.get("train")))
-    val = RecordReader(splits[val_split], f"{source.location} [{val_split}]",
-                       _row_files(splits[val_split], files.get("validation")))
+    val = RecordReader(
+        splits[val_split], f"{source.location} [{val_split}]", _row_files(splits[val_split], files.get("validation"))
+    )
     differ = _names_differ(train.classes, val.classes, val_split)
     if differ:
-        raise DataLayoutError(f"{source.location}: the train and {val_split} splits have {differ}: labels would not "
-                              "mean the same class")
+        raise DataLayoutError(
+            f"{source.location}: the train and {val_split} splits have {differ}: labels would not mean the same class"
+        )
     return train, val

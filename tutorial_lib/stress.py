@@ -22,9 +22,17 @@ from pathlib import Path
 
 import numpy as np
 
+from tutorial_lib.cli import (
+    HelpFormatter,
+    OneLineParser,
+    as_flags,
+    cli_main,
+    config_path,
+    non_negative_int,
+    positive_int,
+)
+
 from .checkpoints import sha256_file
-from .cli import (HelpFormatter, OneLineParser, as_flags, cli_main, config_path, non_negative_int,
-                              positive_int)
 from .core import UserError, free_port, in_notebook
 from .launching import EXIT_STATUS_ENV, read_exit_status
 
@@ -37,8 +45,14 @@ __all__ = ['BAD_FILE_KINDS', 'FORK_PRELOAD', 'ACCELERATE_LAUNCHES', 'STRESS_RUN'
            'run_trial', 'stress_resume', 'get_args_parser', 'run_command', 'main']
 
 # %% ../notebooks/11a_stress_harness.ipynb #b4367a58
-def make_image_folder(root: str | os.PathLike, classes: int = 4, train_per_class: int = 24, val_per_class: int = 6,
-                      img_size: int = 16, seed: int = 0) -> Path:
+def make_image_folder(
+    root: str | os.PathLike,
+    classes: int = 4,
+    train_per_class: int = 24,
+    val_per_class: int = 6,
+    img_size: int = 16,
+    seed: int = 0,
+) -> Path:
     """Write a small learnable ImageNet-layout dataset of JPEGs (`root/{train,val}/<class>/*.jpg`).
 
     Each class has its own mean colour plus seeded noise, so a tiny model learns it in a few steps.
@@ -81,8 +95,9 @@ def corrupt_image(path: str | os.PathLike, kind: str, seed: int = 0) -> Path:
     return path
 
 
-def first_files_of_process(data_dir: str | os.PathLike, batch_size: int, process_index: int, num_processes: int,
-                           seed: int = 0) -> list[str]:
+def first_files_of_process(
+    data_dir: str | os.PathLike, batch_size: int, process_index: int, num_processes: int, seed: int = 0
+) -> list[str]:
     """The training images process `process_index` reads in its first batch of epoch 0.
 
     The training script's sampler is seeded by (seed, epoch) and Accelerate hands batch `i` to process
@@ -92,7 +107,7 @@ def first_files_of_process(data_dir: str | os.PathLike, batch_size: int, process
 
     _, samples = scan_image_folder(Path(data_dir) / "train")
     order = list(EpochSeededSampler(len(samples), seed=seed))
-    first = order[process_index * batch_size:(process_index + 1) * batch_size]
+    first = order[process_index * batch_size : (process_index + 1) * batch_size]
     return [samples[i][0] for i in first]
 
 # %% ../notebooks/11a_stress_harness.ipynb #e4f136d9
@@ -105,7 +120,9 @@ class CliResult:
     stderr: str
     seconds: float
     killed: bool = False
-    launcher_returncode: int | None = None  # under `accelerate launch`: the launcher's exit code (returncode: the script's)
+    launcher_returncode: int | None = (
+        None  # under `accelerate launch`: the launcher's exit code (returncode: the script's)
+    )
 
     @property
     def stderr_lines(self) -> list[str]:
@@ -120,19 +137,33 @@ class CliResult:
         """A traceback through the course's code. Under `accelerate launch` the launcher prints one of its own whenever
         a process exits non-zero; that one runs through accelerate and torch only."""
         here = f"{os.sep}tutorial_lib{os.sep}"
-        return any(line.lstrip().startswith('File "') and here in line for line in (self.stderr + self.stdout).splitlines())
+        return any(
+            line.lstrip().startswith('File "') and here in line for line in (self.stderr + self.stdout).splitlines()
+        )
 
 
 def child_env(**extra: str) -> dict:
     """The environment of a training subprocess: one thread, unbuffered output, W&B off unless overridden."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled",
-           "WANDB_SILENT": "true"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "WANDB_MODE": "disabled",
+        "WANDB_SILENT": "true",
+    }
     env.update(extra)
     return {k: v for k, v in env.items() if v is not None}
 
 # %% ../notebooks/11a_stress_harness.ipynb #d0825be6
-def _fork_child(module: str, argv: list[str], out_path: str, err_path: str, cwd: str | None, env: dict,
-                small_disk: tuple[str, str] | None) -> None:
+def _fork_child(
+    module: str,
+    argv: list[str],
+    out_path: str,
+    err_path: str,
+    cwd: str | None,
+    env: dict,
+    small_disk: tuple[str, str] | None,
+) -> None:
     """Body of a forked run: the environment, threads and files of `python -m <module>`, then its `main`."""
     if small_disk:  # first, while this process has a single thread (a new user namespace needs that)
         enter_small_disk(*small_disk)
@@ -181,8 +212,9 @@ def can_mount_small_disk() -> str | None:
     """None when `enter_small_disk` works here, else why not (not Linux, user namespaces switched off, ...)."""
     if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
         return f"needs Linux with the `unshare` command (this is {sys.platform})"
-    done = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1M tmpfs /mnt"], capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1M tmpfs /mnt"], capture_output=True, text=True
+    )
     return None if done.returncode == 0 else f"`unshare -rm` cannot mount a tmpfs here: {done.stderr.strip()[:200]}"
 
 # %% ../notebooks/11a_stress_harness.ipynb #c1694f56
@@ -190,8 +222,15 @@ _FORK_CONTEXT = None
 
 
 # What a run imports: the training script, and what it imports only when it needs it (a missing one is skipped).
-FORK_PRELOAD = ("tutorial_lib.train", "tutorial_lib.stress", "accelerate", "torchvision", "torchmetrics",
-                "safetensors.torch", "huggingface_hub.serialization")
+FORK_PRELOAD = (
+    "tutorial_lib.train",
+    "tutorial_lib.stress",
+    "accelerate",
+    "torchvision",
+    "torchmetrics",
+    "safetensors.torch",
+    "huggingface_hub.serialization",
+)
 
 
 def _fork_context():
@@ -253,11 +292,20 @@ class TrainingProcess:
     code is the script's own (06c's `$TUTORIAL_EXIT_STATUS_FILE`), the launcher's is `launcher_returncode`.
     Output goes to files (`log_prefix`.out/.err) so the process never blocks on a full pipe."""
 
-    def __init__(self, argv: list[str], log_prefix: str | os.PathLike, launcher: str = "python",
-                 cwd: str | os.PathLike | None = None, env: dict | None = None, module: str = "tutorial_lib.train",
-                 small_disk: tuple[str | os.PathLike, str] | None = None):
+    def __init__(
+        self,
+        argv: list[str],
+        log_prefix: str | os.PathLike,
+        launcher: str = "python",
+        cwd: str | os.PathLike | None = None,
+        env: dict | None = None,
+        module: str = "tutorial_lib.train",
+        small_disk: tuple[str | os.PathLike, str] | None = None,
+    ):
         if launcher not in ("python", "fork", *ACCELERATE_LAUNCHES):
-            raise ValueError(f"launcher must be 'python', 'fork' or one of {tuple(ACCELERATE_LAUNCHES)}, got {launcher!r}")
+            raise ValueError(
+                f"launcher must be 'python', 'fork' or one of {tuple(ACCELERATE_LAUNCHES)}, got {launcher!r}"
+            )
         self.out_path, self.err_path = Path(f"{log_prefix}.out"), Path(f"{log_prefix}.err")
         self.status_path = Path(f"{log_prefix}.status")  # the script's exit status, under `accelerate launch`
         self.out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -271,21 +319,47 @@ class TrainingProcess:
             if self.launched:
                 self.status_path.unlink(missing_ok=True)
                 env = {**env, EXIT_STATUS_ENV: str(self.status_path)}
-                command = [sys.executable, "-m", "accelerate.commands.launch", *accelerate_launch_args(launcher),
-                           "-m", module, *map(str, argv)]
+                command = [
+                    sys.executable,
+                    "-m",
+                    "accelerate.commands.launch",
+                    *accelerate_launch_args(launcher),
+                    "-m",
+                    module,
+                    *map(str, argv),
+                ]
             if disk:  # the same namespace trick as enter_small_disk, by the `unshare` command
-                command = ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o "size=$0" tmpfs "$1" || exit 125; shift; '
-                           'exec "$@"', disk[1], disk[0], *command]
+                command = [
+                    "unshare",
+                    "-rm",
+                    "sh",
+                    "-c",
+                    'mount -t tmpfs -o "size=$0" tmpfs "$1" || exit 125; shift; exec "$@"',
+                    disk[1],
+                    disk[0],
+                    *command,
+                ]
             with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-                self._proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+                self._proc = subprocess.Popen(
+                    command, cwd=cwd, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL
+                )
             self.pid = self._proc.pid
         else:
             self.out_path.touch(), self.err_path.touch()  # exist even if the child is killed before it opens them
             from tutorial_lib.stress import _fork_child as target  # by module name, also when run as __main__
 
-            self._proc = _fork_context().Process(target=target, args=(
-                module, list(map(str, argv)), str(self.out_path), str(self.err_path), str(cwd) if cwd else None, env,
-                disk))
+            self._proc = _fork_context().Process(
+                target=target,
+                args=(
+                    module,
+                    list(map(str, argv)),
+                    str(self.out_path),
+                    str(self.err_path),
+                    str(cwd) if cwd else None,
+                    env,
+                    disk,
+                ),
+            )
             self._proc.start()
             self.pid = self._proc.pid
 
@@ -378,14 +452,26 @@ class TrainingProcess:
         """Wait (killing it after `timeout` s) and collect exit code, output and duration."""
         if self.wait(timeout) is None:
             self.kill()
-        return CliResult(self.poll(), self.out_path.read_text(), self.err_path.read_text(),
-                         time.perf_counter() - self.start, self.killed,
-                         self.launcher_returncode if self.launched else None)
+        return CliResult(
+            self.poll(),
+            self.out_path.read_text(),
+            self.err_path.read_text(),
+            time.perf_counter() - self.start,
+            self.killed,
+            self.launcher_returncode if self.launched else None,
+        )
 
 # %% ../notebooks/11a_stress_harness.ipynb #e94c4e91
-def run_cli(argv: list[str], launcher: str = "fork", cwd: str | os.PathLike | None = None, env: dict | None = None,
-            timeout: float = 300, log_prefix: str | os.PathLike | None = None, module: str = "tutorial_lib.train",
-            small_disk: tuple[str | os.PathLike, str] | None = None) -> CliResult:
+def run_cli(
+    argv: list[str],
+    launcher: str = "fork",
+    cwd: str | os.PathLike | None = None,
+    env: dict | None = None,
+    timeout: float = 300,
+    log_prefix: str | os.PathLike | None = None,
+    module: str = "tutorial_lib.train",
+    small_disk: tuple[str | os.PathLike, str] | None = None,
+) -> CliResult:
     """Run the training command line (or `module`'s) with `argv` in a new process and return its `CliResult` (11a)."""
     options = dict(launcher=launcher, cwd=cwd, env=env, module=module, small_disk=small_disk)
     if log_prefix is not None:
@@ -397,9 +483,23 @@ def run_cli(argv: list[str], launcher: str = "fork", cwd: str | os.PathLike | No
         shutil.rmtree(log_dir, ignore_errors=True)
 
 # %% ../notebooks/11a_stress_harness.ipynb #df032483
-STRESS_RUN = dict(model="tinycnn", img_size=16, epochs=3, batch_size=8, learning_rate=0.05, lr_scheduler="cosine",
-                  lr_warmup_epochs=0.5, num_workers=0, cpu=True, log_with="none", disable_progress_bar=True,
-                  checkpoint_every_steps=2, keep_last_checkpoints=2, log_interval=0, seed=0)
+STRESS_RUN = dict(
+    model="tinycnn",
+    img_size=16,
+    epochs=3,
+    batch_size=8,
+    learning_rate=0.05,
+    lr_scheduler="cosine",
+    lr_warmup_epochs=0.5,
+    num_workers=0,
+    cpu=True,
+    log_with="none",
+    disable_progress_bar=True,
+    checkpoint_every_steps=2,
+    keep_last_checkpoints=2,
+    log_interval=0,
+    seed=0,
+)
 KILL_KINDS = ("during_save", "after_save", "random_time", "final_save", "sigint", "sigterm")
 KILL_WEIGHTS = (6, 2, 2, 1, 1, 2)  # of 14 kills: 6 SIGKILLs during a save, 5 other SIGKILLs, 1 Ctrl-C, 2 SIGTERMs
 POLITE = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT}  # the kinds that ask for a stop with a checkpoint
@@ -413,8 +513,10 @@ def checkpoint_folders(run_dir: str | os.PathLike) -> tuple[list[str], list[tupl
         entries = [e for e in os.scandir(Path(run_dir) / "checkpoints") if e.is_dir()]
     except FileNotFoundError:
         return [], []
-    return (sorted(e.name for e in entries if e.name.startswith("step_")),
-            sorted((e.name, e.inode()) for e in entries if e.name.startswith(".tmp-")))
+    return (
+        sorted(e.name for e in entries if e.name.startswith("step_")),
+        sorted((e.name, e.inode()) for e in entries if e.name.startswith(".tmp-")),
+    )
 
 
 def _count_files(folder: Path) -> int:
@@ -439,10 +541,15 @@ class KillPlan:
     seconds: float = 0.0
 
     def describe(self) -> str:
-        return {"during_save": f"during save #{self.nth} (after {self.files} file(s))",
-                "after_save": f"right after save #{self.nth}", "random_time": f"{self.seconds:.2f} s into training",
-                "final_save": "while writing model.safetensors", "sigterm": f"SIGTERM {self.seconds:.2f} s into training",
-                "sigint": f"Ctrl-C {self.seconds:.2f} s into training", "never": "never"}[self.kind]
+        return {
+            "during_save": f"during save #{self.nth} (after {self.files} file(s))",
+            "after_save": f"right after save #{self.nth}",
+            "random_time": f"{self.seconds:.2f} s into training",
+            "final_save": "while writing model.safetensors",
+            "sigterm": f"SIGTERM {self.seconds:.2f} s into training",
+            "sigint": f"Ctrl-C {self.seconds:.2f} s into training",
+            "never": "never",
+        }[self.kind]
 
 # %% ../notebooks/11a_stress_harness.ipynb #082d94a7
 @dataclass
@@ -463,26 +570,36 @@ class KillRecord:
         left = ", ".join(f"{name} ({n} files)" for name, n in self.leftovers) or "none"
         signum = POLITE.get(self.plan.kind)
         if signum and self.exit_code == -signum:
-            return (f"{self.plan.describe()}: the signal ended the run on its way out (exit {-signum}, {128 + signum} "
-                    f"in a shell); newest complete checkpoint step {self.complete_step}, leftovers {left}")
+            return (
+                f"{self.plan.describe()}: the signal ended the run on its way out (exit {-signum}, {128 + signum} "
+                f"in a shell); newest complete checkpoint step {self.complete_step}, leftovers {left}"
+            )
         if signum:
-            return (f"{self.plan.describe()}: exit {self.exit_code}, stopped at step {self.stopped_at}; newest complete "
-                    f"checkpoint step {self.complete_step}, leftovers {left}")
+            return (
+                f"{self.plan.describe()}: exit {self.exit_code}, stopped at step {self.stopped_at}; newest complete "
+                f"checkpoint step {self.complete_step}, leftovers {left}"
+            )
         return f"killed {self.plan.describe()}: newest complete checkpoint step {self.complete_step}, leftovers {left}"
 
 # %% ../notebooks/11a_stress_harness.ipynb #e9a97c5f
-def draw_kill_plan(rng: random.Random, saves_left: int, seconds_left: float,
-                   kinds: tuple[str, ...] = KILL_KINDS) -> KillPlan:
+def draw_kill_plan(
+    rng: random.Random, saves_left: int, seconds_left: float, kinds: tuple[str, ...] = KILL_KINDS
+) -> KillPlan:
     """A seeded random kill among `kinds` (weighted by `KILL_WEIGHTS`): SIGKILL, often during a checkpoint save,
     or SIGTERM or Ctrl-C, spread over the run."""
     weights = [w for k, w in zip(KILL_KINDS, KILL_WEIGHTS) if k in kinds]
     kind = rng.choices([k for k in KILL_KINDS if k in kinds], weights=weights)[0]
-    return KillPlan(kind, nth=rng.randint(1, max(1, saves_left)), files=rng.randint(0, 5),
-                    seconds=rng.uniform(0.0, max(0.05, seconds_left)))
+    return KillPlan(
+        kind,
+        nth=rng.randint(1, max(1, saves_left)),
+        files=rng.randint(0, 5),
+        seconds=rng.uniform(0.0, max(0.05, seconds_left)),
+    )
 
 
-def trial_kill_plans(seed: int, trial: int, kills: int, saves: int, seconds: float,
-                     kinds: tuple[str, ...] = KILL_KINDS) -> list[KillPlan]:
+def trial_kill_plans(
+    seed: int, trial: int, kills: int, saves: int, seconds: float, kinds: tuple[str, ...] = KILL_KINDS
+) -> list[KillPlan]:
     """The kills of stress trial `trial`, drawn up front for the whole run (`saves` checkpoints in `seconds`):
     the same plans on every machine and Python, however fast the runs go. `scale_kill_plan` fits each one to
     the part of the run that is left when it is used."""
@@ -503,8 +620,9 @@ def stopped_at_step(stdout: str) -> int | None:
     return int(lines[-1].split()[4].rstrip(",")) if lines else None
 
 # %% ../notebooks/11a_stress_harness.ipynb #6ad31b81
-def watch_and_kill(proc: TrainingProcess, run_dir: str | os.PathLike, plan: KillPlan, timeout: float = 300,
-                   poll_s: float = 0.0005) -> KillRecord:
+def watch_and_kill(
+    proc: TrainingProcess, run_dir: str | os.PathLike, plan: KillPlan, timeout: float = 300, poll_s: float = 0.0005
+) -> KillRecord:
     """Poll the run's checkpoint folder every `poll_s` s and SIGKILL `proc` when `plan` says (11a); a `sigterm`
     plan sends SIGTERM, a `sigint` one Ctrl-C (`TrainingProcess.interrupt`), and waits for the run to checkpoint and exit.
 
@@ -539,14 +657,23 @@ def watch_and_kill(proc: TrainingProcess, run_dir: str | os.PathLike, plan: Kill
             if code is None:  # it did not stop: that is a failure to see, so end it the hard way
                 proc.kill()
             steps, tmps = checkpoint_folders(run_dir)
-            return KillRecord(plan, code != 0, int(steps[-1][5:]) if steps else None,
-                              [(name, _count_files(run_dir / "checkpoints" / name)) for name, _ in tmps],
-                              exit_code=code, stopped_at=stopped_at_step(proc.out_path.read_text()))
+            return KillRecord(
+                plan,
+                code != 0,
+                int(steps[-1][5:]) if steps else None,
+                [(name, _count_files(run_dir / "checkpoints" / name)) for name, _ in tmps],
+                exit_code=code,
+                stopped_at=stopped_at_step(proc.out_path.read_text()),
+            )
         if hit or time.perf_counter() >= deadline:
             proc.kill()
             steps, tmps = checkpoint_folders(run_dir)
-            return KillRecord(plan, True, int(steps[-1][5:]) if steps else None,
-                              [(name, _count_files(run_dir / "checkpoints" / name)) for name, _ in tmps])
+            return KillRecord(
+                plan,
+                True,
+                int(steps[-1][5:]) if steps else None,
+                [(name, _count_files(run_dir / "checkpoints" / name)) for name, _ in tmps],
+            )
         time.sleep(poll_s)
     if proc.poll() is None:  # timed out
         proc.kill()
@@ -580,14 +707,19 @@ class TrialResult:
         terms = sum(k.killed for k in self.kills if k.plan.kind == "sigterm")
         ctrl_c = sum(k.killed for k in self.kills if k.plan.kind == "sigint")
         how = f" ({LAUNCHED_AS[self.launcher]})" if self.launcher in LAUNCHED_AS else ""
-        return (f"trial {self.trial}{how}: {'IDENTICAL' if self.passed else 'DIFFERENT'} after {self.runs} run(s), "
-                f"{kills} kill(s) ({terms} SIGTERM, {ctrl_c} Ctrl-C), resumed at steps [{resumed}], "
-                f"{self.ignored_leftovers} leftover(s) ignored, sha256 {self.sha256[:12]}, {self.seconds:.1f} s"
-                + (f" | {self.error}" if self.error else ""))
+        return (
+            f"trial {self.trial}{how}: {'IDENTICAL' if self.passed else 'DIFFERENT'} after {self.runs} run(s), "
+            f"{kills} kill(s) ({terms} SIGTERM, {ctrl_c} Ctrl-C), resumed at steps [{resumed}], "
+            f"{self.ignored_leftovers} leftover(s) ignored, sha256 {self.sha256[:12]}, {self.seconds:.1f} s"
+            + (f" | {self.error}" if self.error else "")
+        )
 
 
-LAUNCHED_AS = {"accelerate": "accelerate launch --num_processes 1", "accelerate_1gpu": "accelerate launch 1gpu.yaml",
-               "accelerate_2proc": "accelerate launch, 2 processes"}
+LAUNCHED_AS = {
+    "accelerate": "accelerate launch --num_processes 1",
+    "accelerate_1gpu": "accelerate launch 1gpu.yaml",
+    "accelerate_2proc": "accelerate launch, 2 processes",
+}
 
 # %% ../notebooks/11a_stress_harness.ipynb #0f727580
 def metrics_match(a: list[dict], b: list[dict]) -> bool:
@@ -595,8 +727,11 @@ def metrics_match(a: list[dict], b: list[dict]) -> bool:
     (a mid-epoch resume merges two float32 partial means in float64)."""
     exact = ("epoch", "step", "val_loss", "val_top1", "val_top5", "lr", "train_count", "val_count")
     close = ("train_loss", "train_top1")
-    return len(a) == len(b) and all(x[k] == y[k] for x, y in zip(a, b) for k in exact) and all(
-        abs(x[k] - y[k]) <= 1e-6 * max(1.0, abs(x[k])) for x, y in zip(a, b) for k in close)
+    return (
+        len(a) == len(b)
+        and all(x[k] == y[k] for x, y in zip(a, b) for k in exact)
+        and all(abs(x[k] - y[k]) <= 1e-6 * max(1.0, abs(x[k])) for x, y in zip(a, b) for k in close)
+    )
 
 
 def _read_rows(path: Path) -> list[dict]:
@@ -610,20 +745,34 @@ def sigterm_problem(kill: KillRecord, final_step: int) -> str:
     out: killed by it (exit -15 here, 143 in a shell) or with its status and no step named, and nothing is lost."""
     signum = POLITE.get(kill.plan.kind, signal.SIGTERM)
     name, status = signal.Signals(signum).name, 128 + signum
-    if kill.complete_step == final_step and (kill.exit_code == -signum or (kill.exit_code == status
-                                                                           and kill.stopped_at is None)):
+    if kill.complete_step == final_step and (
+        kill.exit_code == -signum or (kill.exit_code == status and kill.stopped_at is None)
+    ):
         return ""
     if kill.exit_code != status:
-        return (f"{name} ended the run with exit {kill.exit_code} at newest complete checkpoint step "
-                f"{kill.complete_step} of {final_step}, not {status} after a checkpoint")
+        return (
+            f"{name} ended the run with exit {kill.exit_code} at newest complete checkpoint step "
+            f"{kill.complete_step} of {final_step}, not {status} after a checkpoint"
+        )
     if kill.stopped_at is None or kill.stopped_at != kill.complete_step:
-        return (f"after {name} the run said it stopped at step {kill.stopped_at} but the newest complete "
-                f"checkpoint is step {kill.complete_step}")
+        return (
+            f"after {name} the run said it stopped at step {kill.stopped_at} but the newest complete "
+            f"checkpoint is step {kill.complete_step}"
+        )
     return ""
 
 # %% ../notebooks/11a_stress_harness.ipynb #2e30272f
-def run_trial(trial: int, seed: int, workdir: Path, options: dict, reference: dict, kills_per_trial: int,
-              launcher: str, timeout: float, kinds: tuple[str, ...] = KILL_KINDS) -> TrialResult:
+def run_trial(
+    trial: int,
+    seed: int,
+    workdir: Path,
+    options: dict,
+    reference: dict,
+    kills_per_trial: int,
+    launcher: str,
+    timeout: float,
+    kinds: tuple[str, ...] = KILL_KINDS,
+) -> TrialResult:
     """Start, kill (`kills_per_trial` seeded kills: SIGKILL, or SIGTERM or Ctrl-C that must end in a checkpoint and
     exit 143 or 130), resume with `latest` ... until the run finishes; every run started by `launcher`."""
     plans = trial_kill_plans(seed, trial, kills_per_trial, reference["saves"], reference["train_seconds"], kinds)
@@ -646,8 +795,11 @@ def run_trial(trial: int, seed: int, workdir: Path, options: dict, reference: di
             if result.error:
                 break
             out.killed = True  # stopped as asked: resume it like a killed run
-        result.resumed_from += [line.split("resumed from ", 1)[1].split(":")[0]
-                                for line in out.stdout.splitlines() if line.startswith("resumed from ")]
+        result.resumed_from += [
+            line.split("resumed from ", 1)[1].split(":")[0]
+            for line in out.stdout.splitlines()
+            if line.startswith("resumed from ")
+        ]
         result.ignored_leftovers += sum("ignoring incomplete checkpoint" in line for line in out.stderr_lines)
         if not out.killed and out.returncode != 0:
             result.error = f"run {attempt} exited {out.returncode}: {(out.stderr_lines or [''])[-1][:300]}"
@@ -665,10 +817,19 @@ def run_trial(trial: int, seed: int, workdir: Path, options: dict, reference: di
     return result
 
 # %% ../notebooks/11a_stress_harness.ipynb #c6189488
-def stress_resume(trials: int = 10, seed: int = 0, workdir: str | os.PathLike | None = None, kills_per_trial: int = 3,
-                  launcher: str = "python", run_options: dict | None = None, data_dir: str | os.PathLike | None = None,
-                  timeout: float = 300, verbose: bool = True, kinds: tuple[str, ...] = KILL_KINDS,
-                  accelerate_trials: int = 0) -> list[TrialResult]:
+def stress_resume(
+    trials: int = 10,
+    seed: int = 0,
+    workdir: str | os.PathLike | None = None,
+    kills_per_trial: int = 3,
+    launcher: str = "python",
+    run_options: dict | None = None,
+    data_dir: str | os.PathLike | None = None,
+    timeout: float = 300,
+    verbose: bool = True,
+    kinds: tuple[str, ...] = KILL_KINDS,
+    accelerate_trials: int = 0,
+) -> list[TrialResult]:
     """Kill-anywhere resume: train, SIGKILL, SIGTERM or Ctrl-C at seeded random moments, resume with `latest`, until
     done (11a).
 
@@ -689,22 +850,32 @@ def stress_resume(trials: int = 10, seed: int = 0, workdir: str | os.PathLike | 
     options = {**STRESS_RUN, **(run_options or {}), "path_to_data": str(data_dir), "working_directory": str(workdir)}
     say = print if verbose else (lambda *a, **k: None)
 
-    ref = TrainingProcess(as_flags({**options, "experiment_name": "reference"}), workdir / "logs" / "reference", launcher)
+    ref = TrainingProcess(
+        as_flags({**options, "experiment_name": "reference"}), workdir / "logs" / "reference", launcher
+    )
     watch_and_kill(ref, workdir / "reference", KillPlan("never"), timeout)  # measures how long training lasts
     out = ref.result(timeout)
     if out.returncode != 0:
         raise RuntimeError(f"the reference run failed ({out.returncode}):\n{out.stderr[-3000:]}")
     rows = _read_rows(workdir / "reference" / "metrics.jsonl")
-    reference = {"sha256": sha256_file(workdir / "reference" / "model.safetensors"), "rows": rows,
-                 "saves": rows[-1]["step"] // options["checkpoint_every_steps"],
-                 "train_seconds": ref.active_seconds or out.seconds}
-    say(f"reference run ({launcher}): {out.seconds:.1f} s, of which {reference['train_seconds']:.1f} s between first "
+    reference = {
+        "sha256": sha256_file(workdir / "reference" / "model.safetensors"),
+        "rows": rows,
+        "saves": rows[-1]["step"] // options["checkpoint_every_steps"],
+        "train_seconds": ref.active_seconds or out.seconds,
+    }
+    say(
+        f"reference run ({launcher}): {out.seconds:.1f} s, of which {reference['train_seconds']:.1f} s between first "
         f"and last checkpoint; {rows[-1]['step']} optimizer steps, {reference['saves']} checkpoint saves, sha256 "
-        f"{reference['sha256'][:12]}")
+        f"{reference['sha256'][:12]}"
+    )
     results = []
     for trial in range(trials):
-        results.append(run_trial(trial, seed, workdir, options, reference, kills_per_trial, launchers[trial], timeout,
-                                 tuple(kinds)))
+        results.append(
+            run_trial(
+                trial, seed, workdir, options, reference, kills_per_trial, launchers[trial], timeout, tuple(kinds)
+            )
+        )
         say(results[-1].summary())
         for kill in results[-1].kills:
             say(f"    {kill.describe()}")
@@ -715,31 +886,56 @@ def stress_resume(trials: int = 10, seed: int = 0, workdir: str | os.PathLike | 
 def get_args_parser() -> argparse.ArgumentParser:
     """`python -m tutorial_lib.stress resume --trials N [--seed S] ...` (11a): 00a's conventions, as the training script
     (one-line errors, every default in `--help`, each value checked where it is declared)."""
-    parser = OneLineParser(prog="python -m tutorial_lib.stress", formatter_class=HelpFormatter,
-                           description="Reliability checks of the training script (notebook 11a).")
+    parser = OneLineParser(
+        prog="python -m tutorial_lib.stress",
+        formatter_class=HelpFormatter,
+        description="Reliability checks of the training script (notebook 11a).",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{resume}")
-    resume = sub.add_parser("resume", formatter_class=HelpFormatter,
-                            help="kill tiny CPU trainings at seeded random moments (SIGKILL, SIGTERM or Ctrl-C), resume them, "
-                                 "compare the final weights bit for bit",
-                            description="Train a tiny model on CPU once without interruption; then, in each trial, kill\n"
-                                        "the same run at seeded random moments, resume it with --resume_from_checkpoint\n"
-                                        "latest until it finishes, and compare model.safetensors with the reference's.\n"
-                                        "Exit 0 when every trial is bit-identical, 1 otherwise, 2 on a bad flag.")
+    resume = sub.add_parser(
+        "resume",
+        formatter_class=HelpFormatter,
+        help="kill tiny CPU trainings at seeded random moments (SIGKILL, SIGTERM or Ctrl-C), resume them, "
+        "compare the final weights bit for bit",
+        description="Train a tiny model on CPU once without interruption; then, in each trial, kill\n"
+        "the same run at seeded random moments, resume it with --resume_from_checkpoint\n"
+        "latest until it finishes, and compare model.safetensors with the reference's.\n"
+        "Exit 0 when every trial is bit-identical, 1 otherwise, 2 on a bad flag.",
+    )
     resume.add_argument("--trials", type=positive_int, default=10, help="trials, each its own run")
     resume.add_argument("--seed", type=non_negative_int, default=0, help="seeds the kill moments")
-    resume.add_argument("--kills_per_trial", type=non_negative_int, default=3, help="kills before a trial's run may finish")
-    resume.add_argument("--kinds", choices=KILL_KINDS, nargs="+", default=list(KILL_KINDS), metavar="KIND",
-                        help=f"kinds of kill to draw from, some of {', '.join(KILL_KINDS)} (sigterm, sigint: the run "
-                             "must checkpoint and exit 143, 130)")
-    resume.add_argument("--launcher", choices=["python", "fork"], default="python",
-                        help="python: each run is `python -m tutorial_lib.train`; fork: forked from a process that "
-                             "imported it once (same main(), seconds faster)")
-    resume.add_argument("--accelerate_trials", type=non_negative_int, default=3,
-                        help="the last N trials start each run under a one-process `accelerate launch`, alternately "
-                             "with --num_processes 1 (a plain subprocess) and 1gpu.yaml (torchrun's agent); signals go "
-                             "to the launcher")
-    resume.add_argument("--workdir", default=None,
-                        help="where the runs go; none: a new temporary folder, deleted at the end when every trial passed")
+    resume.add_argument(
+        "--kills_per_trial", type=non_negative_int, default=3, help="kills before a trial's run may finish"
+    )
+    resume.add_argument(
+        "--kinds",
+        choices=KILL_KINDS,
+        nargs="+",
+        default=list(KILL_KINDS),
+        metavar="KIND",
+        help=f"kinds of kill to draw from, some of {', '.join(KILL_KINDS)} (sigterm, sigint: the run "
+        "must checkpoint and exit 143, 130)",
+    )
+    resume.add_argument(
+        "--launcher",
+        choices=["python", "fork"],
+        default="python",
+        help="python: each run is `python -m tutorial_lib.train`; fork: forked from a process that "
+        "imported it once (same main(), seconds faster)",
+    )
+    resume.add_argument(
+        "--accelerate_trials",
+        type=non_negative_int,
+        default=3,
+        help="the last N trials start each run under a one-process `accelerate launch`, alternately "
+        "with --num_processes 1 (a plain subprocess) and 1gpu.yaml (torchrun's agent); signals go "
+        "to the launcher",
+    )
+    resume.add_argument(
+        "--workdir",
+        default=None,
+        help="where the runs go; none: a new temporary folder, deleted at the end when every trial passed",
+    )
     resume.add_argument("--epochs", type=positive_int, default=STRESS_RUN["epochs"], help="epochs of each run")
     return parser
 
@@ -749,9 +945,16 @@ def run_command(args: argparse.Namespace) -> int:
     if args.workdir and os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
         raise UserError(f"--workdir {args.workdir} is a file: name a folder (it is created if it does not exist)")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="tutorial-stress-"))
-    results = stress_resume(args.trials, args.seed, workdir, args.kills_per_trial, args.launcher,
-                            run_options={"epochs": args.epochs}, kinds=tuple(args.kinds),
-                            accelerate_trials=args.accelerate_trials)
+    results = stress_resume(
+        args.trials,
+        args.seed,
+        workdir,
+        args.kills_per_trial,
+        args.launcher,
+        run_options={"epochs": args.epochs},
+        kinds=tuple(args.kinds),
+        accelerate_trials=args.accelerate_trials,
+    )
     passed = all(r.passed for r in results)
     if args.workdir is None and passed:
         shutil.rmtree(workdir, ignore_errors=True)  # every run matched: nothing to look at, and it holds checkpoints

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -15,14 +15,21 @@ __all__ = ['time_windows', 'median_throughput', 'make_bare_step', 'alternate', '
            'median_interval']
 
 # %% ../notebooks/10_performance.ipynb #31733dbc
-def time_windows(step: Callable[[], object], windows: int, steps_per_window: int, warmup_steps: int = 0,
-                 sync: Callable[[], None] | None = None) -> list[float]:
+def time_windows(
+    step: Callable[[], object],
+    windows: int,
+    steps_per_window: int,
+    warmup_steps: int = 0,
+    sync: Callable[[], None] | None = None,
+) -> list[float]:
     """Wall-clock seconds of `windows` windows of `steps_per_window` calls to `step`, after untimed warm-up.
 
     `sync` (e.g. `torch.cuda.synchronize`) runs before each clock read, so asynchronous GPU work
     is inside the window that queued it; taught in 10 and used by 10a's `bench gpu`."""
     if windows < 1 or steps_per_window < 1:
-        raise ValueError(f"need at least one window of one step, got windows={windows}, steps_per_window={steps_per_window}")
+        raise ValueError(
+            f"need at least one window of one step, got windows={windows}, steps_per_window={steps_per_window}"
+        )
     sync = sync or (lambda: None)
     for _ in range(warmup_steps):
         step()
@@ -42,8 +49,14 @@ def median_throughput(window_seconds: list[float], items_per_window: float) -> f
     return items_per_window / statistics.median(window_seconds)
 
 # %% ../notebooks/10_performance.ipynb #79f5a720
-def make_bare_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, lr: float = 0.1,
-                   momentum: float = 0.9, weight_decay: float = 1e-4) -> Callable[[int], None]:
+def make_bare_step(
+    model: torch.nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    lr: float = 0.1,
+    momentum: float = 0.9,
+    weight_decay: float = 1e-4,
+) -> Callable[[int], None]:
     """A function running `n` bare training steps (forward, loss, backward, SGD step) on one fixed batch.
 
     The reference that `bench loop` compares the training script's step against."""
@@ -61,8 +74,9 @@ def make_bare_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.T
     return run
 
 
-def alternate(runs: dict[str, Callable[[int], None]], rounds: int, steps: int,
-              warmup_rounds: int = 1) -> dict[str, list[float]]:
+def alternate(
+    runs: dict[str, Callable[[int], None]], rounds: int, steps: int, warmup_rounds: int = 1
+) -> dict[str, list[float]]:
     """Seconds per round for each of `runs`, each round running `steps` steps of every function in turn.
 
     The order flips every round (A B, B A, ...) so that drift in machine speed hits all equally; with an
@@ -75,7 +89,7 @@ def alternate(runs: dict[str, Callable[[int], None]], rounds: int, steps: int,
             runs[name](steps)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in names if r % 2 == 0 else names[::-1]:
             start = time.perf_counter()
             runs[name](steps)
             times[name].append(time.perf_counter() - start)
@@ -99,8 +113,8 @@ def median_interval(values: list[float], confidence: float = 0.95) -> tuple[floa
     the true median (a Binomial(n, 1/2) count) is at most (1 - confidence) / 2 on each side. Taught in 10."""
     n, tail = len(values), (1 - confidence) / 2
     k, below = 0, 0.0
-    while k < n and below + math.comb(n, k) / 2 ** n <= tail:
-        below += math.comb(n, k) / 2 ** n
+    while k < n and below + math.comb(n, k) / 2**n <= tail:
+        below += math.comb(n, k) / 2**n
         k += 1
     if k == 0:
         raise ValueError(f"{n} values are too few for a {confidence:.0%} interval of their median (6 give 97 %)")

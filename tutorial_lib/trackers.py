@@ -45,8 +45,10 @@ def resolve_wandb_mode() -> str:
     if explicit:
         explicit = _WANDB_MODE_ALIASES.get(explicit, explicit)
         if explicit not in WANDB_MODES:
-            raise ValueError(f"WANDB_MODE={os.environ['WANDB_MODE']!r} is not one of {WANDB_MODES}; "
-                             "set it to one of those or unset it.")
+            raise ValueError(
+                f"WANDB_MODE={os.environ['WANDB_MODE']!r} is not one of {WANDB_MODES}; "
+                "set it to one of those or unset it."
+            )
         return explicit
     if os.environ.get("WANDB_DISABLED", "").strip().lower() in {"1", "true", "yes"}:
         return "disabled"
@@ -93,16 +95,27 @@ def start_trackers(accelerator, project: str, config: dict, run_id: str, name: s
     problem = wandb_server_problem() if wandb and mode == "online" and accelerator.is_main_process else None
     if problem:
         mode = "offline"
-        accelerator.print(f"W&B: {problem}, logging offline to {logs}; metrics.jsonl has every epoch; upload later "
-                          f"with `wandb sync {logs}/offline-run-*`", flush=True)
+        accelerator.print(
+            f"W&B: {problem}, logging offline to {logs}; metrics.jsonl has every epoch; upload later "
+            f"with `wandb sync {logs}/offline-run-*`",
+            flush=True,
+        )
     elif wandb and mode == "offline":
-        accelerator.print(f"W&B: no API key found (WANDB_API_KEY or `wandb login`), logging offline to {logs}; "
-                          f"metrics.jsonl has every epoch; upload later with `wandb sync {logs}/offline-run-*`", flush=True)
+        accelerator.print(
+            f"W&B: no API key found (WANDB_API_KEY or `wandb login`), logging offline to {logs}; "
+            f"metrics.jsonl has every epoch; upload later with `wandb sync {logs}/offline-run-*`",
+            flush=True,
+        )
     elif wandb and mode == "disabled":
         accelerator.print("W&B: disabled by WANDB_MODE; metrics.jsonl has every epoch", flush=True)
-    plain = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in config.items()}  # TensorBoard's hparams
-    accelerator.init_trackers(project, config=plain, init_kwargs={"wandb": {
-        "id": run_id, "resume": "allow", "name": name, "dir": str(run_dir), "mode": mode}})
+    plain = {
+        k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in config.items()
+    }  # TensorBoard's hparams
+    accelerator.init_trackers(
+        project,
+        config=plain,
+        init_kwargs={"wandb": {"id": run_id, "resume": "allow", "name": name, "dir": str(run_dir), "mode": mode}},
+    )
     return mode
 
 # %% ../notebooks/06d_trackers.ipynb #23e2345d
@@ -120,11 +133,15 @@ def check_trackers(log_with: list[str]) -> None:
         # offline: the user asked for online logging, which cannot work here; refusing costs a second and is fixed at
         # once, where a fallback would quietly contradict an explicit setting (W&B itself fails after seconds).
         if mode == "online" and not wandb_api_key_configured():
-            raise UserError("WANDB_MODE=online but W&B has no API key here (WANDB_API_KEY or `wandb login`): "
-                            "log in, or unset WANDB_MODE to log offline and upload later with `wandb sync`")
+            raise UserError(
+                "WANDB_MODE=online but W&B has no API key here (WANDB_API_KEY or `wandb login`): "
+                "log in, or unset WANDB_MODE to log offline and upload later with `wandb sync`"
+            )
     if "tensorboard" in log_with and importlib.util.find_spec("tensorboard") is None:
-        raise UserError("--log_with tensorboard needs the tensorboard package: pip install tensorboard "
-                        "(or the project's [tensorboard] extra)")
+        raise UserError(
+            "--log_with tensorboard needs the tensorboard package: pip install tensorboard "
+            "(or the project's [tensorboard] extra)"
+        )
 
 # %% ../notebooks/06d_trackers.ipynb #e49114a3
 def read_wandb_offline_run(folder: str | os.PathLike, timeout: float = 0.0) -> dict:
@@ -164,10 +181,10 @@ def _read_wandb_file(folder: str | os.PathLike) -> dict:
         if block - pos % block < header:  # too little room left in the block for a record: padding
             pos += block - pos % block
             continue
-        checksum, length, kind = struct.unpack("<IHB", data[pos:pos + header])
+        checksum, length, kind = struct.unpack("<IHB", data[pos : pos + header])
         if kind == 0 or pos + header + length > len(data):
             break  # zero padding, or a record still being written
-        chunk = data[pos + header:pos + header + length]
+        chunk = data[pos + header : pos + header + length]
         if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != checksum:
             raise ValueError(f"{files[0]} is damaged at byte {pos}: checksum mismatch")
         pos, pending = pos + header + length, pending + chunk

@@ -18,30 +18,70 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# the errors, signals, launchers and exit statuses of main() (06a, 06b, 06c)
+from tutorial_lib.accel import (
+    ClassificationMetrics,
+    LaunchError,
+    MetricsLogger,
+    MissingPathError,
+    build_accelerator,
+    format_metrics_table,
+    is_main_process,
+    merge_metrics,
+    process_index,
+    read_metrics,
+)
+from tutorial_lib.checkpoints import (
+    DiskFullError,
+    RunFolderError,
+    TrainState,
+    atomic_write_text,
+    latest_checkpoint,
+    model_signature,
+    resolve_resume_path,
+    resume_state,
+    save_checkpoint,
+    save_final_model,
+)
+from tutorial_lib.cli import (
+    HelpFormatter,
+    OneLineParser,
+    Progress,
+    cli_main,
+    model_name,
+    non_negative_float,
+    non_negative_int,
+    number_flag,
+    one_line,
+    parse_overrides,
+    positive_float,
+    positive_int,
+    run_name,
+    user_path,
+)
+from tutorial_lib.runs import (
+    NonFiniteGuard,
+    NonFiniteLossError,
+    StopAtOnce,
+    StopRequest,
+    check_free_space,
+    check_writable,
+    checkpoint_size,
+    claim_run_folder,
+    cut_metrics,
+    run_outputs,
+    write_run_config,
+)
+
 from .accumulation import TinyCNN, loss_scale
-from .accel import (
-    ClassificationMetrics, MetricsLogger, MissingPathError,
-    build_accelerator, format_metrics_table, merge_metrics, read_metrics)
-from .checkpoints import (
-    TrainState, atomic_write_text, model_signature, resolve_resume_path, resume_state, save_checkpoint, save_final_model)
-from .runs import (
-    NonFiniteGuard, NonFiniteLossError, StopRequest, check_free_space, check_writable, checkpoint_size, claim_run_folder,
-    cut_metrics, run_outputs, write_run_config)
-from .trackers import check_trackers, start_trackers
-from .cli import (
-    HelpFormatter, OneLineParser, Progress, cli_main, model_name, non_negative_float, non_negative_int, number_flag,
-    one_line, parse_overrides, positive_float, positive_int, run_name, user_path)
 from .core import StepTimer, UserError, count_training_flops, global_batch_size, in_notebook, peak_flops_for
+from .launching import follow_launcher, record_exit_status
 from .loading import EpochSeededDataset, build_datasets, build_loaders, gather_skips, seeded_subset
-from .sources import DataSource, embedded_data_path, resolve_data_source
-from .transforms import normalize_on_device, progressive_resolution, resize_batch
 from .optim import make_ema, param_groups
 from .schedules import build_scheduler, num_optimizer_steps, resume_with_flags, scaled_lr
-# the errors, signals, launchers and exit statuses of main() (06a, 06b, 06c)
-from .accel import LaunchError, is_main_process, process_index
-from .checkpoints import DiskFullError, RunFolderError, latest_checkpoint
-from .launching import follow_launcher, record_exit_status
-from .runs import StopAtOnce
+from .sources import DataSource, embedded_data_path, resolve_data_source
+from .trackers import check_trackers, start_trackers
+from .transforms import normalize_on_device, progressive_resolution, resize_batch
 
 # %% auto #0
 __all__ = ['TIMING_KEYS', 'WARMUP_CAP', 'WATCHED_FLAGS', 'RECIPE_V1', 'SHARED_ERRORS', 'BadFlagError', 'build_model', 'Run',
@@ -77,30 +117,30 @@ class Run:
     accelerator: object
     run_dir: Path
     num_classes: int
-    model: nn.Module               # prepared (DDP-wrapped on several processes): what checkpoints save
-    train_model: nn.Module         # `model`, or a torch.compile'd view of it (--compile)
+    model: nn.Module  # prepared (DDP-wrapped on several processes): what checkpoints save
+    train_model: nn.Module  # `model`, or a torch.compile'd view of it (--compile)
     criterion: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: object
     train_loader: object
     val_loader: object
-    ema: nn.Module | None = None   # --ema: the moving average of the weights
+    ema: nn.Module | None = None  # --ema: the moving average of the weights
     state: TrainState = field(default_factory=TrainState)
     checkpoint_meta: dict = field(default_factory=dict)  # model, classes, signature: in every manifest
-    peak_flops: float | None = None                      # for MFU; None on a CPU
-    stop: StopRequest | None = None                      # SIGTERM/SIGUSR1: checkpoint and stop (06b)
-    flops_at: dict = field(default_factory=dict)         # training FLOPs per image at each resolution
-    checkpoint_bytes: int = 0                            # about the size of one checkpoint (`checkpoint_size`)
+    peak_flops: float | None = None  # for MFU; None on a CPU
+    stop: StopRequest | None = None  # SIGTERM/SIGUSR1: checkpoint and stop (06b)
+    flops_at: dict = field(default_factory=dict)  # training FLOPs per image at each resolution
+    checkpoint_bytes: int = 0  # about the size of one checkpoint (`checkpoint_size`)
 
 
 @dataclass
 class EpochResult:
     """What `train_one_epoch` returns: the epoch's metrics, apart from what the loop does next."""
 
-    metrics: dict                  # loss, top1, top5, count, lr, images_per_sec, train_res, step timing
-    finished: bool = True          # every batch of the epoch was consumed
-    stopped: bool = False          # --stop_after_steps reached: checkpoint and return
-    checkpoint_due: bool = False   # a --checkpoint_every_steps step fell on the epoch's last step
+    metrics: dict  # loss, top1, top5, count, lr, images_per_sec, train_res, step timing
+    finished: bool = True  # every batch of the epoch was consumed
+    stopped: bool = False  # --stop_after_steps reached: checkpoint and return
+    checkpoint_due: bool = False  # a --checkpoint_every_steps step fell on the epoch's last step
 
 # %% ../notebooks/08a_production_script.ipynb #0ce5e1d2
 def train_crop_size(args: argparse.Namespace) -> int:
@@ -158,10 +198,20 @@ def train_one_epoch(run: Run, epoch: int, timer: StepTimer | None = None) -> Epo
     run.train_loader.dataset.set_epoch(epoch)  # ... and EpochSeededDataset the crops
     # After a mid-epoch resume, skip the micro-batches this epoch already consumed
     loader = skip_first_batches(run.train_loader, state.batches_done) if state.batches_done else run.train_loader
-    bar = Progress(total=len(run.train_loader), initial=state.batches_done, desc=f"epoch {epoch}", unit="batches",
-                   disable=args.disable_progress_bar or not accelerator.is_main_process)  # 00a: a bar, or lines in a log
-    guard = NonFiniteGuard(accelerator, args.on_nonfinite_loss, state.nonfinite_skipped, state.nonfinite_in_a_row,
-                           inject_at=args.inject_nan_at_steps)  # 06b: a NaN/Inf loss stops or skips, on every process
+    bar = Progress(
+        total=len(run.train_loader),
+        initial=state.batches_done,
+        desc=f"epoch {epoch}",
+        unit="batches",
+        disable=args.disable_progress_bar or not accelerator.is_main_process,
+    )  # 00a: a bar, or lines in a log
+    guard = NonFiniteGuard(
+        accelerator,
+        args.on_nonfinite_loss,
+        state.nonfinite_skipped,
+        state.nonfinite_in_a_row,
+        inject_at=args.inject_nan_at_steps,
+    )  # 06b: a NaN/Inf loss stops or skips, on every process
     res = train_resolution(args, epoch)  # --img_size, or this epoch's progressive-resizing resolution (10)
     timer = timer or StepTimer(accelerator.device, sync=False)
     timer.reset()
@@ -195,9 +245,12 @@ def train_one_epoch(run: Run, epoch: int, timer: StepTimer | None = None) -> Epo
     guard.check(state.epoch, run.run_dir)  # before the epoch is evaluated or checkpointed
     result.finished = state.batches_done >= len(run.train_loader)
     elapsed = time.perf_counter() - start
-    result.metrics = {**merge_metrics(carried, metrics.compute()),  # compute() sums the states of all processes
-                      "images_per_sec": images * accelerator.num_processes / max(elapsed, 1e-9),
-                      "lr": lr, "train_res": res}
+    result.metrics = {
+        **merge_metrics(carried, metrics.compute()),  # compute() sums the states of all processes
+        "images_per_sec": images * accelerator.num_processes / max(elapsed, 1e-9),
+        "lr": lr,
+        "train_res": res,
+    }
     timing = timer.summary()  # this process's: waiting for data vs computing, peak memory, MFU (section 5)
     result.metrics.update({k: timing[k] for k in TIMING_KEYS})
     return result
@@ -217,9 +270,21 @@ def log_step(run: Run, guard: NonFiniteGuard, bar, timer: StepTimer, loss: torch
 def save_run_checkpoint(run: Run) -> Path:
     """06a's atomic `save_checkpoint` of the run's state; the manifest names the model and the position."""
     state = run.state
-    meta = {**run.checkpoint_meta, "run_id": state.wandb_run_id, "epoch": state.epoch, "batches_done": state.batches_done}
-    return save_checkpoint(run.accelerator, run.run_dir, state.global_step, state.state_dict(),
-                           run.args.keep_last_checkpoints, meta, size_hint=run.checkpoint_bytes or None)
+    meta = {
+        **run.checkpoint_meta,
+        "run_id": state.wandb_run_id,
+        "epoch": state.epoch,
+        "batches_done": state.batches_done,
+    }
+    return save_checkpoint(
+        run.accelerator,
+        run.run_dir,
+        state.global_step,
+        state.state_dict(),
+        run.args.keep_last_checkpoints,
+        meta,
+        size_hint=run.checkpoint_bytes or None,
+    )
 
 # %% ../notebooks/08a_production_script.ipynb #91d24ec8
 def evaluate(model, criterion, val_loader, accelerator, num_classes: int, channels_last: bool = False) -> dict:
@@ -230,8 +295,7 @@ def evaluate(model, criterion, val_loader, accelerator, num_classes: int, channe
         for images, labels in val_loader:
             logits = model(normalize_on_device(images, channels_last=channels_last))
             # per-sample loss, so the mean stays exact when gather_for_metrics drops padded duplicates
-            loss = F.cross_entropy(logits.float(), labels, reduction="none",
-                                   label_smoothing=criterion.label_smoothing)
+            loss = F.cross_entropy(logits.float(), labels, reduction="none", label_smoothing=criterion.label_smoothing)
             metrics.gather_update(accelerator, logits, labels, loss)  # every process sees every sample once
     return metrics.compute()
 
@@ -243,9 +307,15 @@ def load_data(args: argparse.Namespace, source: DataSource | None = None) -> tup
     # what the scan left out (hidden files, .tif...) is said once (07a)
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if is_main_process() else None
     try:
-        train_ds, val_ds = build_datasets(source or args.path_to_data, img_size=crop, pipeline=args.data_pipeline,
-                                          on_bad_file=args.on_bad_file, log=log, scale=(args.min_crop_scale, 1.0),
-                                          val_img_size=val_size)  # evaluated at its own resolution (--val_img_size, 10)
+        train_ds, val_ds = build_datasets(
+            source or args.path_to_data,
+            img_size=crop,
+            pipeline=args.data_pipeline,
+            on_bad_file=args.on_bad_file,
+            log=log,
+            scale=(args.min_crop_scale, 1.0),
+            val_img_size=val_size,
+        )  # evaluated at its own resolution (--val_img_size, 10)
     except (FileNotFoundError, NotADirectoryError) as err:  # no train/ or val/ folder
         raise MissingPathError(f"--path_to_data: {err}") from None
     train_ds = seeded_subset(train_ds, args.max_train_samples, args.seed)  # --max_train_samples: smoke runs, tests
@@ -269,15 +339,19 @@ def resolve_learning_rate(args: argparse.Namespace, num_processes: int) -> argpa
         resolved.learning_rate = scaled_lr(global_batch, args.lr_base, args.lr_base_batch)
         resolved.lr_rule = f"lr {resolved.learning_rate:.4g} = {args.lr_base:g} x {global_batch} / {args.lr_base_batch}"
     else:
-        resolved.lr_rule = f"lr {args.learning_rate:g} (--learning_rate; the scaling rule would give " \
-                           f"{scaled_lr(global_batch, args.lr_base, args.lr_base_batch):.4g})"
+        resolved.lr_rule = (
+            f"lr {args.learning_rate:g} (--learning_rate; the scaling rule would give "
+            f"{scaled_lr(global_batch, args.lr_base, args.lr_base_batch):.4g})"
+        )
     capped = ""
     if args.lr_warmup_epochs is None:
         rule = round(5 * max(0.0, 1 - 256 / global_batch), 2)
         resolved.lr_warmup_epochs = min(rule, round(WARMUP_CAP * args.epochs, 2))
         if resolved.lr_warmup_epochs < rule:  # said at start: the rule alone would fill most of a short run
-            capped = f" (the rule's 5 x (1 - 256 / {global_batch}) = {rule:g}, capped at {WARMUP_CAP:.0%} of the " \
-                     f"{args.epochs}-epoch run)"
+            capped = (
+                f" (the rule's 5 x (1 - 256 / {global_batch}) = {rule:g}, capped at {WARMUP_CAP:.0%} of the "
+                f"{args.epochs}-epoch run)"
+            )
     resolved.lr_rule += f", warmup {resolved.lr_warmup_epochs:g} epochs{capped}, global batch {global_batch}"
     return resolved
 
@@ -288,20 +362,34 @@ def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.S
     return torch.optim.SGD(groups, lr=args.learning_rate, momentum=args.momentum)
 
 
-def build_training_scheduler(optimizer: torch.optim.Optimizer, args: argparse.Namespace,
-                             steps_per_epoch: int) -> torch.optim.lr_scheduler.LRScheduler:
+def build_training_scheduler(
+    optimizer: torch.optim.Optimizer, args: argparse.Namespace, steps_per_epoch: int
+) -> torch.optim.lr_scheduler.LRScheduler:
     """05's scheduler of `--lr_scheduler`, every epoch-valued flag converted to optimizer steps of one process
     (section 2: `steps_per_epoch` counts those of the prepared loader); the warmup goes first, as in torchvision."""
     milestones = [round(m * steps_per_epoch) for m in args.lr_milestones] if args.lr_milestones else None
-    return build_scheduler(optimizer, args.lr_scheduler, total_steps=steps_per_epoch * args.epochs,
-                           warmup_steps=round(args.lr_warmup_epochs * steps_per_epoch),
-                           warmup_start_factor=args.lr_warmup_start_factor,
-                           step_size=max(1, round(args.lr_step_size * steps_per_epoch)), gamma=args.step_lr_decay,
-                           milestones=milestones, min_lr=args.lr_min)
+    return build_scheduler(
+        optimizer,
+        args.lr_scheduler,
+        total_steps=steps_per_epoch * args.epochs,
+        warmup_steps=round(args.lr_warmup_epochs * steps_per_epoch),
+        warmup_start_factor=args.lr_warmup_start_factor,
+        step_size=max(1, round(args.lr_step_size * steps_per_epoch)),
+        gamma=args.step_lr_decay,
+        milestones=milestones,
+        min_lr=args.lr_min,
+    )
 
 # %% ../notebooks/08a_production_script.ipynb #ac50fc0f
-def setup_run(args: argparse.Namespace, accelerator, model: nn.Module, train_loader, val_loader,
-              num_classes: int, run_dir: str | os.PathLike) -> Run:
+def setup_run(
+    args: argparse.Namespace,
+    accelerator,
+    model: nn.Module,
+    train_loader,
+    val_loader,
+    num_classes: int,
+    run_dir: str | os.PathLike,
+) -> Run:
     """Prepare model, optimizer and loaders with Accelerate, then the schedule, `--compile` and `--ema`."""
     if args.channels_last:  # NHWC weights, the layout tensor-core convolutions want (10)
         model = model.to(memory_format=torch.channels_last)
@@ -310,26 +398,47 @@ def setup_run(args: argparse.Namespace, accelerator, model: nn.Module, train_loa
     # The schedule in optimizer steps of one process: len(train_loader) is now this process's shard
     steps_per_epoch = num_optimizer_steps(len(train_loader), args.gradient_accumulation_steps, 1)
     if len(train_loader) < args.gradient_accumulation_steps:  # no step would see the global batch the flags promise
-        raise BadFlagError(f"--gradient_accumulation_steps {args.gradient_accumulation_steps} but an epoch has only "
-                           f"{len(train_loader)} batches per process: lower it, or the --batch_size")
+        raise BadFlagError(
+            f"--gradient_accumulation_steps {args.gradient_accumulation_steps} but an epoch has only "
+            f"{len(train_loader)} batches per process: lower it, or the --batch_size"
+        )
     try:
-        scheduler = accelerator.prepare(build_training_scheduler(optimizer, args, steps_per_epoch))  # saved by save_state
+        scheduler = accelerator.prepare(
+            build_training_scheduler(optimizer, args, steps_per_epoch)
+        )  # saved by save_state
     except ValueError as err:  # e.g. a warmup that rounds to the whole run at this number of steps per epoch
-        raise BadFlagError(f"--lr_scheduler {args.lr_scheduler} with {steps_per_epoch} optimizer steps per epoch: {err}") from None
+        raise BadFlagError(
+            f"--lr_scheduler {args.lr_scheduler} with {steps_per_epoch} optimizer steps per epoch: {err}"
+        ) from None
     # --compile: the compiled module shares the prepared model's weights; checkpoints and model.safetensors
     # keep using `model`, so they look the same with and without it
     train_model = torch.compile(model, backend=args.compile_backend) if args.compile else model
     ema = make_ema(model, args.ema_decay) if args.ema else None
     if ema is not None:
         accelerator.register_for_checkpointing(ema)  # the average is saved and restored with every checkpoint
-    meta = {"model": args.model, "num_classes": num_classes,  # in every checkpoint.json: refuse another model's
-            "model_signature": model_signature(accelerator.unwrap_model(model))}
+    meta = {
+        "model": args.model,
+        "num_classes": num_classes,  # in every checkpoint.json: refuse another model's
+        "model_signature": model_signature(accelerator.unwrap_model(model)),
+    }
     device_name = torch.cuda.get_device_name(accelerator.device) if accelerator.device.type == "cuda" else None
-    return Run(args=args, accelerator=accelerator, run_dir=Path(run_dir), num_classes=num_classes, model=model,
-               train_model=train_model, criterion=nn.CrossEntropyLoss(label_smoothing=args.label_smoothing),
-               optimizer=optimizer, scheduler=scheduler, train_loader=train_loader, val_loader=val_loader, ema=ema,
-               checkpoint_meta=meta, peak_flops=peak_flops_for(device_name, args.peak_tflops),
-               checkpoint_bytes=checkpoint_size(accelerator.unwrap_model(model), bool(args.momentum), ema))
+    return Run(
+        args=args,
+        accelerator=accelerator,
+        run_dir=Path(run_dir),
+        num_classes=num_classes,
+        model=model,
+        train_model=train_model,
+        criterion=nn.CrossEntropyLoss(label_smoothing=args.label_smoothing),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        ema=ema,
+        checkpoint_meta=meta,
+        peak_flops=peak_flops_for(device_name, args.peak_tflops),
+        checkpoint_bytes=checkpoint_size(accelerator.unwrap_model(model), bool(args.momentum), ema),
+    )
 
 
 def resume_run(run: Run) -> None:
@@ -340,26 +449,45 @@ def resume_run(run: Run) -> None:
     args, accelerator, state = run.args, run.accelerator, run.state
     expect = {k: run.checkpoint_meta[k] for k in ("model", "num_classes", "model_signature")}
     layout = [accelerator.num_processes, args.batch_size, args.gradient_accumulation_steps]
-    if resume_state(accelerator, args.resume_from_checkpoint, run.run_dir, state, expect, layout,
-                    accelerator.unwrap_model(run.model), run.optimizer) is None:  # tensors checked against these
+    if (
+        resume_state(
+            accelerator,
+            args.resume_from_checkpoint,
+            run.run_dir,
+            state,
+            expect,
+            layout,
+            accelerator.unwrap_model(run.model),
+            run.optimizer,
+        )
+        is None
+    ):  # tensors checked against these
         return
     schedule = run.scheduler.scheduler
     steps_per_epoch = num_optimizer_steps(len(run.train_loader), args.gradient_accumulation_steps, 1)
     position = state.epoch * steps_per_epoch if state.batches_done == 0 else schedule.last_epoch
     wanted = build_optimizer(accelerator.unwrap_model(run.model), args).param_groups  # same groups, same order
     if resume_with_flags(run.optimizer, schedule, wanted, position):
-        accelerator.print(f"resumed with the flags given now: lr {run.optimizer.param_groups[0]['lr']:.4g} at step "
-                          f"{position} of {steps_per_epoch * args.epochs} of the schedule", flush=True)
+        accelerator.print(
+            f"resumed with the flags given now: lr {run.optimizer.param_groups[0]['lr']:.4g} at step "
+            f"{position} of {steps_per_epoch * args.epochs} of the schedule",
+            flush=True,
+        )
 
 # %% ../notebooks/08a_production_script.ipynb #77c5c56f
 def open_outputs(run: Run, num_train: int, num_val: int) -> MetricsLogger:
     """Write `config.json`, cut `metrics.jsonl` back to the resumed epoch, start the trackers; say what runs."""
     args, accelerator, state, run_dir = run.args, run.accelerator, run.state, run.run_dir
     global_batch = global_batch_size(args.batch_size, args.gradient_accumulation_steps, accelerator.num_processes)
-    config = {**vars(args), "run_id": state.wandb_run_id, "num_classes": run.num_classes,
-              "num_processes": accelerator.num_processes, "global_batch_size": global_batch,
-              "mixed_precision": accelerator.mixed_precision,  # what runs, whatever was asked (06)
-              "optimizer_steps_per_epoch": num_optimizer_steps(len(run.train_loader), args.gradient_accumulation_steps, 1)}
+    config = {
+        **vars(args),
+        "run_id": state.wandb_run_id,
+        "num_classes": run.num_classes,
+        "num_processes": accelerator.num_processes,
+        "global_batch_size": global_batch,
+        "mixed_precision": accelerator.mixed_precision,  # what runs, whatever was asked (06)
+        "optimizer_steps_per_epoch": num_optimizer_steps(len(run.train_loader), args.gradient_accumulation_steps, 1),
+    }
     if accelerator.is_main_process:  # 06b: flags changed on a resume are recorded with the step
         write_run_config(run_dir, config, state.global_step, WATCHED_FLAGS)
         if "wandb" in args.log_with:
@@ -369,15 +497,29 @@ def open_outputs(run: Run, num_train: int, num_val: int) -> MetricsLogger:
     accelerator.wait_for_everyone()
     if accelerator.log_with:  # 06d: W&B offline without a key, never blocking; a resumed run continues its runs
         start_trackers(accelerator, args.wandb_project, config, state.wandb_run_id, args.experiment_name, run_dir)
-    accelerator.print(f"{args.model} on {args.path_to_data}: {num_train} train / {num_val} val images, "
-                      f"{run.num_classes} classes; {accelerator.num_processes} process(es) on "
-                      f"{accelerator.device.type}, global batch {global_batch} = {args.batch_size} x "
-                      f"{args.gradient_accumulation_steps} x {accelerator.num_processes}; {args.lr_rule}", flush=True)
+    accelerator.print(
+        f"{args.model} on {args.path_to_data}: {num_train} train / {num_val} val images, "
+        f"{run.num_classes} classes; {accelerator.num_processes} process(es) on "
+        f"{accelerator.device.type}, global batch {global_batch} = {args.batch_size} x "
+        f"{args.gradient_accumulation_steps} x {accelerator.num_processes}; {args.lr_rule}",
+        flush=True,
+    )
     return MetricsLogger(run_dir / "metrics.jsonl", accelerator)
 
 
-WATCHED_FLAGS = ("learning_rate", "momentum", "weight_decay", "norm_weight_decay", "bias_weight_decay", "batch_size",
-                 "gradient_accumulation_steps", "num_processes", "epochs", "lr_scheduler", "label_smoothing")
+WATCHED_FLAGS = (
+    "learning_rate",
+    "momentum",
+    "weight_decay",
+    "norm_weight_decay",
+    "bias_weight_decay",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "num_processes",
+    "epochs",
+    "lr_scheduler",
+    "label_smoothing",
+)
 
 # %% ../notebooks/08a_production_script.ipynb #e847d187
 def train_and_evaluate(run: Run, logger: MetricsLogger) -> tuple[list[dict], bool]:
@@ -391,7 +533,9 @@ def train_and_evaluate(run: Run, logger: MetricsLogger) -> tuple[list[dict], boo
     for epoch in range(state.epoch, args.epochs):
         state.epoch = epoch
         res = train_resolution(args, epoch)
-        if res not in run.flops_at:  # FLOPs per image at this resolution, for MFU: counted once, on the meta device (00)
+        if (
+            res not in run.flops_at
+        ):  # FLOPs per image at this resolution, for MFU: counted once, on the meta device (00)
             run.flops_at[res] = count_training_flops(run.model, res)["train"]
         # sync=False: no per-step GPU synchronisation; data_time is the time the loop waited for batches
         timer = StepTimer(accelerator.device, flops_per_image=run.flops_at[res], peak_flops=run.peak_flops, sync=False)
@@ -399,7 +543,9 @@ def train_and_evaluate(run: Run, logger: MetricsLogger) -> tuple[list[dict], boo
         if result.stopped and not result.finished:  # stopped mid-epoch: checkpoint exactly here
             state.partial_train = {k: result.metrics[k] for k in ("loss", "top1", "top5", "count")}
             save_run_checkpoint(run)
-            accelerator.print(f"stopped at optimizer step {state.global_step}, in epoch {epoch}{run.stop.why()}", flush=True)
+            accelerator.print(
+                f"stopped at optimizer step {state.global_step}, in epoch {epoch}{run.stop.why()}", flush=True
+            )
             return rows, True
         row = epoch_row(run, epoch, result)
         rows.append(row)
@@ -408,11 +554,17 @@ def train_and_evaluate(run: Run, logger: MetricsLogger) -> tuple[list[dict], boo
         table = format_metrics_table([row]).splitlines()
         accelerator.print("\n".join(table if epoch == first_epoch else table[1:]), flush=True)
         state.epoch, state.batches_done, state.partial_train = epoch + 1, 0, {}
-        if (epoch + 1 == args.epochs or result.stopped or result.checkpoint_due
-                or (epoch + 1) % args.save_checkpoint_interval == 0):
+        if (
+            epoch + 1 == args.epochs
+            or result.stopped
+            or result.checkpoint_due
+            or (epoch + 1) % args.save_checkpoint_interval == 0
+        ):
             save_run_checkpoint(run)
         if result.stopped:
-            accelerator.print(f"stopped at optimizer step {state.global_step}, after epoch {epoch}{run.stop.why()}", flush=True)
+            accelerator.print(
+                f"stopped at optimizer step {state.global_step}, after epoch {epoch}{run.stop.why()}", flush=True
+            )
             return rows, True
     return rows, False
 
@@ -425,9 +577,12 @@ def report_skips(run: Run, epoch: int) -> dict:
     run.state.skipped_files += train_n + val_n
     run.state.bad_files += new
     if train_n + val_n:
-        run.accelerator.print(f"warning: epoch {epoch}: skipped {train_n + val_n} unreadable file(s) (train {train_n}, "
-                              f"val {val_n}; --on_bad_file skip){': ' + ', '.join(new) if new else ''}",
-                              file=sys.stderr, flush=True)
+        run.accelerator.print(
+            f"warning: epoch {epoch}: skipped {train_n + val_n} unreadable file(s) (train {train_n}, "
+            f"val {val_n}; --on_bad_file skip){': ' + ', '.join(new) if new else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
     return {"train": train_n, "val": val_n}
 
 
@@ -436,10 +591,23 @@ def epoch_row(run: Run, epoch: int, result: EpochResult) -> dict:
     args, accelerator, train = run.args, run.accelerator, result.metrics
     val = evaluate(run.train_model, run.criterion, run.val_loader, accelerator, run.num_classes, args.channels_last)
     skipped = report_skips(run, epoch) if args.on_bad_file == "skip" else {"train": 0, "val": 0}  # before the EMA's
-    row = {"epoch": epoch, "skipped_train": skipped["train"], "skipped_val": skipped["val"], "step": run.state.global_step, "train_loss": train["loss"], "train_top1": train["top1"],
-           "val_loss": val["loss"], "val_top1": val["top1"], "val_top5": val["top5"], "lr": train["lr"],
-           "images_per_sec": train["images_per_sec"], "train_count": train["count"], "val_count": val["count"],
-           "nonfinite_skipped": run.state.nonfinite_skipped, "train_res": train["train_res"]}
+    row = {
+        "epoch": epoch,
+        "skipped_train": skipped["train"],
+        "skipped_val": skipped["val"],
+        "step": run.state.global_step,
+        "train_loss": train["loss"],
+        "train_top1": train["top1"],
+        "val_loss": val["loss"],
+        "val_top1": val["top1"],
+        "val_top5": val["top5"],
+        "lr": train["lr"],
+        "images_per_sec": train["images_per_sec"],
+        "train_count": train["count"],
+        "val_count": val["count"],
+        "nonfinite_skipped": run.state.nonfinite_skipped,
+        "train_res": train["train_res"],
+    }
     row.update({k: train[k] for k in TIMING_KEYS if train[k] is not None})  # no MFU without a peak
     if run.ema is not None:  # the EMA weights, evaluated on the same images (under autocast like the model)
         with accelerator.autocast():
@@ -455,17 +623,30 @@ def finish_run(run: Run, rows: list[dict], stopped: bool, seconds: float) -> dic
     if finished:
         save_final_model(accelerator, run.model, run_dir)  # 06a: moved into place whole, readable as the umask says
     accelerator.end_training()
-    final = {**(rows[-1] if rows else {}), "finished": finished, "stopped": stopped,
-             "optimizer_steps": state.global_step, "scheduler_steps": run.scheduler.scheduler.last_epoch,
-             "nonfinite_skipped": state.nonfinite_skipped, "final_lr": run.scheduler.get_last_lr()[0],
-             "skipped_files": state.skipped_files, "bad_files": state.bad_files,
-             "num_processes": accelerator.num_processes, "wandb_run_id": state.wandb_run_id, "run_dir": str(run_dir),
-             "global_batch_size": global_batch_size(args.batch_size, args.gradient_accumulation_steps,
-                                                    accelerator.num_processes),
-             "train_time_s": seconds, "exit_status": run.stop.exit_status if run.stop and run.stop.stopped else 0}
+    final = {
+        **(rows[-1] if rows else {}),
+        "finished": finished,
+        "stopped": stopped,
+        "optimizer_steps": state.global_step,
+        "scheduler_steps": run.scheduler.scheduler.last_epoch,
+        "nonfinite_skipped": state.nonfinite_skipped,
+        "final_lr": run.scheduler.get_last_lr()[0],
+        "skipped_files": state.skipped_files,
+        "bad_files": state.bad_files,
+        "num_processes": accelerator.num_processes,
+        "wandb_run_id": state.wandb_run_id,
+        "run_dir": str(run_dir),
+        "global_batch_size": global_batch_size(
+            args.batch_size, args.gradient_accumulation_steps, accelerator.num_processes
+        ),
+        "train_time_s": seconds,
+        "exit_status": run.stop.exit_status if run.stop and run.stop.stopped else 0,
+    }
     if finished:  # the table was printed row by row: one summary line
-        accelerator.print(f"best val top-1 {max(r['val_top1'] for r in rows):.2f}% | {seconds:.0f} s | "
-                          f"outputs in {run_dir}", flush=True)
+        accelerator.print(
+            f"best val top-1 {max(r['val_top1'] for r in rows):.2f}% | {seconds:.0f} s | outputs in {run_dir}",
+            flush=True,
+        )
     if accelerator.is_main_process:
         atomic_write_text(run_dir / "final_metrics.json", json.dumps(final, indent=2))
     return final
@@ -479,29 +660,51 @@ def train(args: argparse.Namespace) -> dict:
     follow_launcher()  # started by `accelerate launch`: a SIGTERM when that launcher is gone (06c)
     run_dir = Path(args.working_directory) / args.experiment_name
     new_folder = not run_dir.exists()
-    accelerator = build_accelerator(args.cpu, args.mixed_precision, args.gradient_accumulation_steps,  # 06
-                                    [t for t in args.log_with if t != "none"] or None, run_dir)
+    accelerator = build_accelerator(
+        args.cpu,
+        args.mixed_precision,
+        args.gradient_accumulation_steps,  # 06
+        [t for t in args.log_with if t != "none"] or None,
+        run_dir,
+    )
     args = resolve_learning_rate(args, accelerator.num_processes)  # the LR of this global batch (05)
     source = check_args(args)  # every rule between flags, and the paths: before any data is read
     explicit = args.resume_from_checkpoint not in (None, "", "latest")  # a checkpoint folder: it continues its own run
-    lock = claim_run_folder(run_dir, fresh=not args.resume_from_checkpoint, overwrite=args.overwrite, accelerator=accelerator,
-                            resume_from=args.resume_from_checkpoint if explicit else None)  # one run per folder (06b)
+    lock = claim_run_folder(
+        run_dir,
+        fresh=not args.resume_from_checkpoint,
+        overwrite=args.overwrite,
+        accelerator=accelerator,
+        resume_from=args.resume_from_checkpoint if explicit else None,
+    )  # one run per folder (06b)
     try:
         set_seed(args.seed)  # same initial weights on every process (DDP also broadcasts rank 0's)
         train_ds, val_ds = load_data(args, source)  # --path_to_data resolved once, each split read once
         num_classes = len(train_ds.classes)
         if args.num_classes is not None and args.num_classes != num_classes:
-            raise BadFlagError(f"--num_classes {args.num_classes} but {args.path_to_data} has {num_classes} "
-                               "class folders; drop --num_classes to infer it")
+            raise BadFlagError(
+                f"--num_classes {args.num_classes} but {args.path_to_data} has {num_classes} "
+                "class folders; drop --num_classes to infer it"
+            )
         if num_classes < 2:
-            raise BadFlagError(f"--path_to_data {args.path_to_data} has {num_classes} class: a classifier needs two or more")
+            raise BadFlagError(
+                f"--path_to_data {args.path_to_data} has {num_classes} class: a classifier needs two or more"
+            )
         try:
-            train_loader, val_loader = build_loaders(train_ds, val_ds, batch_size=args.batch_size,
-                                                     num_workers=args.num_workers, seed=args.seed)
+            train_loader, val_loader = build_loaders(
+                train_ds, val_ds, batch_size=args.batch_size, num_workers=args.num_workers, seed=args.seed
+            )
         except ValueError as err:  # e.g. fewer training images than one batch
             raise BadFlagError(f"--batch_size {args.batch_size}: {err}") from None
-        run = setup_run(args, accelerator, build_model(args.model, num_classes, args.zero_init_residual), train_loader, val_loader,
-                        num_classes, run_dir)
+        run = setup_run(
+            args,
+            accelerator,
+            build_model(args.model, num_classes, args.zero_init_residual),
+            train_loader,
+            val_loader,
+            num_classes,
+            run_dir,
+        )
         check_free_space(run_dir, run.checkpoint_bytes, accelerator)  # 06b: now, not at the first save an epoch later
         resume_run(run)
         logger = open_outputs(run, len(train_ds), len(val_ds))
@@ -535,7 +738,12 @@ def input_size_error(net: nn.Module, size: int) -> str | None:
     try:
         with torch.no_grad():
             net(torch.zeros(2, 3, size, size, device="meta"))
-    except (RuntimeError, ValueError, AssertionError, IndexError) as err:  # a pooling window bigger than its input, ViT's size
+    except (
+        RuntimeError,
+        ValueError,
+        AssertionError,
+        IndexError,
+    ) as err:  # a pooling window bigger than its input, ViT's size
         return " ".join(str(err).split()) or type(err).__name__
     return None
 
@@ -556,8 +764,10 @@ def check_input_sizes(args: argparse.Namespace, net: nn.Module) -> None:
     """Every image size the run feeds the model (its training crops, progressive resizing's, evaluation's) fits it:
     at start, not once the data is read (for --val_img_size, a whole epoch later)."""
     if args.min_res:  # every resolution of the progressive-resizing schedule
-        sizes = {res: f"progressive resizing (--min_res {args.min_res}, --max_res {args.max_res}) at {res} px"
-                 for res in {train_resolution(args, epoch) for epoch in range(args.epochs)}}
+        sizes = {
+            res: f"progressive resizing (--min_res {args.min_res}, --max_res {args.max_res}) at {res} px"
+            for res in {train_resolution(args, epoch) for epoch in range(args.epochs)}
+        }
     else:
         sizes = {args.img_size: f"--img_size {args.img_size}"}
     val = args.val_img_size or args.img_size
@@ -568,8 +778,10 @@ def check_input_sizes(args: argparse.Namespace, net: nn.Module) -> None:
             continue
         smallest = smallest_input_size(net)
         if smallest is not None and size < smallest:
-            raise BadFlagError(f"{what} is too small for --model {args.model}: the smallest image it accepts is "
-                               f"{smallest} px (at {size} px: {error})")
+            raise BadFlagError(
+                f"{what} is too small for --model {args.model}: the smallest image it accepts is "
+                f"{smallest} px (at {size} px: {error})"
+            )
         raise BadFlagError(f"{what} does not fit --model {args.model} ({error})")
 
 
@@ -580,48 +792,69 @@ def check_args(args: argparse.Namespace) -> DataSource:
     resizing = (args.min_res, args.max_res, args.end_ramp)
     if any(v is not None for v in resizing):
         if None in resizing:
-            raise BadFlagError(f"progressive resizing needs all of --min_res, --max_res and --end_ramp (got {resizing})")
+            raise BadFlagError(
+                f"progressive resizing needs all of --min_res, --max_res and --end_ramp (got {resizing})"
+            )
         try:  # 07's schedule checks its own arguments
             progressive_resolution(0, args.min_res, args.max_res, args.end_ramp, args.start_ramp, args.res_step)
         except ValueError as err:
-            raise BadFlagError(f"progressive resizing (--min_res, --max_res, --end_ramp, --start_ramp): {err}") from None
+            raise BadFlagError(
+                f"progressive resizing (--min_res, --max_res, --end_ramp, --start_ramp): {err}"
+            ) from None
     check_trackers(args.log_with)  # 06d: 'none' alone; tensorboard installed
     run_dir = (Path(args.working_directory) / args.experiment_name).resolve()
     if args.overwrite and args.resume_from_checkpoint:  # allowed: another run's checkpoint continued in this folder
         checkpoint = Path(args.resume_from_checkpoint).resolve()
         if args.resume_from_checkpoint == "latest" or run_dir in (checkpoint, *checkpoint.parents):
-            raise BadFlagError("--overwrite moves the run in the folder aside and starts a new one; "
-                               "--resume_from_checkpoint continues it: give one of them")
+            raise BadFlagError(
+                "--overwrite moves the run in the folder aside and starts a new one; "
+                "--resume_from_checkpoint continues it: give one of them"
+            )
     if args.zero_init_residual and not args.model.startswith(("resnet", "resnext", "wide_resnet")):
         raise BadFlagError(f"--zero_init_residual is for torchvision's ResNets, not --model {args.model}")
     net = meta_model(args.model)  # the model's layers and shapes, no weights (None: it cannot be built there)
     if net is not None and args.batch_size == 1:  # does the model normalise over the batch?
         if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules()):
-            raise BadFlagError(f"--batch_size 1 with --model {args.model}: BatchNorm normalises over the batch, so "
-                               "one image per process has no batch statistics; use --batch_size 2 or more")
+            raise BadFlagError(
+                f"--batch_size 1 with --model {args.model}: BatchNorm normalises over the batch, so "
+                "one image per process has no batch statistics; use --batch_size 2 or more"
+            )
     if net is not None:
         check_input_sizes(args, net)
     if args.lr_warmup_epochs >= args.epochs:
-        raise BadFlagError(f"--lr_warmup_epochs {args.lr_warmup_epochs:g} covers the whole run of {args.epochs} "
-                           "epochs; use fewer warmup epochs")
+        raise BadFlagError(
+            f"--lr_warmup_epochs {args.lr_warmup_epochs:g} covers the whole run of {args.epochs} "
+            "epochs; use fewer warmup epochs"
+        )
     if args.lr_scheduler in ("cosine", "linear") and args.lr_min >= args.learning_rate:
-        lr = (f"the learning rate derived from the global batch ({args.lr_rule.split(',')[0]}; --learning_rate not "
-              "given)" if getattr(args, "lr_derived", False) else f"--learning_rate {args.learning_rate:g}")
-        raise BadFlagError(f"--lr_min {args.lr_min:g} must be below {lr}: the {args.lr_scheduler} schedule decays "
-                           "from the learning rate down to it")
+        lr = (
+            f"the learning rate derived from the global batch ({args.lr_rule.split(',')[0]}; --learning_rate not given)"
+            if getattr(args, "lr_derived", False)
+            else f"--learning_rate {args.learning_rate:g}"
+        )
+        raise BadFlagError(
+            f"--lr_min {args.lr_min:g} must be below {lr}: the {args.lr_scheduler} schedule decays "
+            "from the learning rate down to it"
+        )
     if args.lr_scheduler == "multistep":
         milestones = args.lr_milestones or []
         if not milestones or sorted(milestones) != milestones or milestones[-1] >= args.epochs:
-            raise BadFlagError(f"--lr_scheduler multistep needs --lr_milestones: increasing epochs below --epochs "
-                               f"{args.epochs} at which the LR is multiplied by --step_lr_decay, got {milestones}")
+            raise BadFlagError(
+                f"--lr_scheduler multistep needs --lr_milestones: increasing epochs below --epochs "
+                f"{args.epochs} at which the LR is multiplied by --step_lr_decay, got {milestones}"
+            )
     if args.lr_scheduler == "onecycle" and not 0 < args.lr_warmup_epochs <= args.epochs / 2:
         if getattr(args, "lr_warmup_derived", False):  # the user gave no warmup: say where this one came from
-            raise BadFlagError(f"--lr_scheduler onecycle rises during the warmup, but the warmup derived from the "
-                               f"global batch is {args.lr_warmup_epochs:g} epochs (5 x (1 - 256 / global batch), none "
-                               "up to 256): give --lr_warmup_epochs, more than 0 and at most half the run (e.g. "
-                               f"--lr_warmup_epochs {0.3 * args.epochs:g})")
-        raise BadFlagError("--lr_scheduler onecycle rises during --lr_warmup_epochs: give it more than 0 and at most "
-                           f"half the run (e.g. --lr_warmup_epochs {0.3 * args.epochs:g}), not {args.lr_warmup_epochs:g}")
+            raise BadFlagError(
+                f"--lr_scheduler onecycle rises during the warmup, but the warmup derived from the "
+                f"global batch is {args.lr_warmup_epochs:g} epochs (5 x (1 - 256 / global batch), none "
+                "up to 256): give --lr_warmup_epochs, more than 0 and at most half the run (e.g. "
+                f"--lr_warmup_epochs {0.3 * args.epochs:g})"
+            )
+        raise BadFlagError(
+            "--lr_scheduler onecycle rises during --lr_warmup_epochs: give it more than 0 and at most "
+            f"half the run (e.g. --lr_warmup_epochs {0.3 * args.epochs:g}), not {args.lr_warmup_epochs:g}"
+        )
     return check_paths(args)
 
 
@@ -638,58 +871,116 @@ def check_paths(args: argparse.Namespace) -> DataSource:
     return source
 
 # %% ../notebooks/08a_production_script.ipynb #8c21f546
-RECIPE_V1 = dict(model="resnet50", epochs=90, batch_size=32, lr_base=0.1, lr_base_batch=256, momentum=0.9,
-                 weight_decay=1e-4, lr_scheduler="step", lr_step_size=30, step_lr_decay=0.1, img_size=224,
-                 label_smoothing=0.0, min_crop_scale=0.08)  # torchvision's: 32 per GPU x 8 GPUs = 256 at lr 0.1, no warmup
+RECIPE_V1 = dict(
+    model="resnet50",
+    epochs=90,
+    batch_size=32,
+    lr_base=0.1,
+    lr_base_batch=256,
+    momentum=0.9,
+    weight_decay=1e-4,
+    lr_scheduler="step",
+    lr_step_size=30,
+    step_lr_decay=0.1,
+    img_size=224,
+    label_smoothing=0.0,
+    min_crop_scale=0.08,
+)  # torchvision's: 32 per GPU x 8 GPUs = 256 at lr 0.1, no warmup
 
 
 def get_args_parser(add_help: bool = True, exit_on_error: bool = True) -> argparse.ArgumentParser:
     """The command line of `accelerate launch -m tutorial_lib.train` / `tutorial-train` (08a); with
     `exit_on_error=False` a bad value raises `BadFlagError` instead of ending the process."""
     parser = OneLineParser(  # 00a's convention: every value checked by its type=, errors in one line
-        prog="tutorial-train", add_help=add_help, formatter_class=HelpFormatter, error_type=None if exit_on_error else BadFlagError,
+        prog="tutorial-train",
+        add_help=add_help,
+        formatter_class=HelpFormatter,
+        error_type=None if exit_on_error else BadFlagError,
         description="Train an image classifier (ResNet50 on ImageNet by default) with Accelerate, on 1 CPU "
-                    "to many GPUs. Launch with `accelerate launch -m tutorial_lib.train [flags]`.",
+        "to many GPUs. Launch with `accelerate launch -m tutorial_lib.train [flags]`.",
         epilog="--batch_size is PER PROCESS. Each optimizer step sees\n"
-               "  global batch = batch_size x gradient_accumulation_steps x num_processes\n"
-               "The learning rate follows it: lr = --lr_base x global batch / --lr_base_batch (0.1 per 256,\n"
-               "the V1 recipe's 32 x 1 x 8 GPUs) unless --learning_rate is given; every run prints the arithmetic.")
+        "  global batch = batch_size x gradient_accumulation_steps x num_processes\n"
+        "The learning rate follows it: lr = --lr_base x global batch / --lr_base_batch (0.1 per 256,\n"
+        "the V1 recipe's 32 x 1 x 8 GPUs) unless --learning_rate is given; every run prints the arithmetic.",
+    )
     add_run_and_data_flags(parser.add_argument_group("run and outputs"), parser.add_argument_group("data"))
-    add_optimisation_flags(parser.add_argument_group("optimisation"),
-                           parser.add_argument_group("learning-rate schedule (epoch values become optimizer steps)"))
-    add_speed_and_checkpoint_flags(parser.add_argument_group("speed and fast-recipe switches (notebook 10; all off "
-                                                             "by default)"), parser.add_argument_group("checkpoints"))
+    add_optimisation_flags(
+        parser.add_argument_group("optimisation"),
+        parser.add_argument_group("learning-rate schedule (epoch values become optimizer steps)"),
+    )
+    add_speed_and_checkpoint_flags(
+        parser.add_argument_group("speed and fast-recipe switches (notebook 10; all off by default)"),
+        parser.add_argument_group("checkpoints"),
+    )
     return parser
 
 # %% ../notebooks/08a_production_script.ipynb #53e98f12
 def add_run_and_data_flags(group, data) -> None:
     add, add_data, V1 = group.add_argument, data.add_argument, RECIPE_V1
-    add("--experiment_name", type=run_name, default="resnet50_imagenet",
-        help="outputs go to <working_directory>/<experiment_name>/, a folder inside the working directory")
+    add(
+        "--experiment_name",
+        type=run_name,
+        default="resnet50_imagenet",
+        help="outputs go to <working_directory>/<experiment_name>/, a folder inside the working directory",
+    )
     add("--working_directory", type=user_path, default="runs", help="parent folder of all runs")
-    add("--overwrite", action="store_true", help="a new run (or another run's checkpoint resumed) in a folder holding "
-        "a run moves that run aside (never deletes)")
-    add("--path_to_data", type=user_path, default=str(embedded_data_path()), help="class folders (train/ and val/), "
-        "parquet shards, a save_to_disk folder or a Hub id such as ILSVRC/imagenet-1k (07a) (default: the embedded CIFAR-10 subset)")
+    add(
+        "--overwrite",
+        action="store_true",
+        help="a new run (or another run's checkpoint resumed) in a folder holding "
+        "a run moves that run aside (never deletes)",
+    )
+    add(
+        "--path_to_data",
+        type=user_path,
+        default=str(embedded_data_path()),
+        help="class folders (train/ and val/), "
+        "parquet shards, a save_to_disk folder or a Hub id such as ILSVRC/imagenet-1k (07a) (default: the embedded CIFAR-10 subset)",
+    )
     add("--num_classes", type=number_flag(int, 2), default=None, help="inferred from the data; if given it must match")
     add("--model", type=model_name, default=V1["model"], help="torchvision model name, or 'tinycnn'")
     add("--seed", type=non_negative_int, default=0, help="seeds weights, data order and augmentation")
     add("--cpu", action="store_true", help="run on CPU even if a GPU is present")
-    add("--mixed_precision", choices=["no", "bf16", "fp16"], default=None,
-        help="precision of the forward pass (default: what `accelerate config`/`accelerate launch` says, else no)")
-    add("--log_with", choices=["wandb", "tensorboard", "none"], nargs="+", default=["wandb"], help="trackers: wandb "
-        "(online with a key, offline without; WANDB_MODE overrides), tensorboard (<run>/tensorboard), none")
+    add(
+        "--mixed_precision",
+        choices=["no", "bf16", "fp16"],
+        default=None,
+        help="precision of the forward pass (default: what `accelerate config`/`accelerate launch` says, else no)",
+    )
+    add(
+        "--log_with",
+        choices=["wandb", "tensorboard", "none"],
+        nargs="+",
+        default=["wandb"],
+        help="trackers: wandb "
+        "(online with a key, offline without; WANDB_MODE overrides), tensorboard (<run>/tensorboard), none",
+    )
     add("--wandb_project", default="resnet50-imagenet-accelerate", help="W&B project name")
     add("--log_interval", type=non_negative_int, default=50, help="optimizer steps between step-level logs (0: never)")
     add("--disable_progress_bar", action="store_true", help="no progress bar (the main process shows one)")
-    add_data("--img_size", type=positive_int, default=V1["img_size"], help="training crop; val resizes to img_size*256/224, crops")
-    add_data("--min_crop_scale", type=number_flag(float, 0.0, 1.0, low_open=True), default=V1["min_crop_scale"],
-             help="smallest area fraction a random training crop keeps (RandomResizedCrop's scale=(min, 1)); "
-                  "small images and short runs learn faster with less, e.g. 0.35")
-    add_data("--num_workers", type=non_negative_int, default=4, help="data-loading worker processes per training process")
+    add_data(
+        "--img_size",
+        type=positive_int,
+        default=V1["img_size"],
+        help="training crop; val resizes to img_size*256/224, crops",
+    )
+    add_data(
+        "--min_crop_scale",
+        type=number_flag(float, 0.0, 1.0, low_open=True),
+        default=V1["min_crop_scale"],
+        help="smallest area fraction a random training crop keeps (RandomResizedCrop's scale=(min, 1)); "
+        "small images and short runs learn faster with less, e.g. 0.35",
+    )
+    add_data(
+        "--num_workers", type=non_negative_int, default=4, help="data-loading worker processes per training process"
+    )
     add_data("--data_pipeline", choices=["fast", "classic"], default="fast", help="see notebook 07")
-    add_data("--on_bad_file", choices=["raise", "skip"], default="raise",
-             help="an unreadable image stops the run (naming the file) or is skipped with a warning")
+    add_data(
+        "--on_bad_file",
+        choices=["raise", "skip"],
+        default="raise",
+        help="an unreadable image stops the run (naming the file) or is skipped with a warning",
+    )
     add_data("--max_train_samples", type=positive_int, default=None, help="train on a seeded random subset")
     add_data("--max_val_samples", type=positive_int, default=None, help="evaluate on a seeded random subset")
 
@@ -697,34 +988,92 @@ def add_run_and_data_flags(group, data) -> None:
 def add_optimisation_flags(group, schedule) -> None:
     add, add_schedule, V1 = group.add_argument, schedule.add_argument, RECIPE_V1
     add("--epochs", type=positive_int, default=V1["epochs"], help="passes over the training set")
-    add("--batch_size", type=positive_int, default=V1["batch_size"], help="images PER PROCESS per forward pass (see below)")
+    add(
+        "--batch_size",
+        type=positive_int,
+        default=V1["batch_size"],
+        help="images PER PROCESS per forward pass (see below)",
+    )
     add("--gradient_accumulation_steps", type=positive_int, default=1, help="micro-batches per optimizer step")
-    add("--learning_rate", type=positive_float, default=None,
-        help="peak learning rate (default: --lr_base x global batch / --lr_base_batch, the linear scaling rule)")
-    add("--lr_base", type=positive_float, default=V1["lr_base"], help="learning rate of a global batch of --lr_base_batch")
-    add("--lr_base_batch", type=positive_int, default=V1["lr_base_batch"], help="the global batch --lr_base is meant for")
-    add("--zero_init_residual", action="store_true", help="each residual block's last BatchNorm starts at zero (ResNets)")
+    add(
+        "--learning_rate",
+        type=positive_float,
+        default=None,
+        help="peak learning rate (default: --lr_base x global batch / --lr_base_batch, the linear scaling rule)",
+    )
+    add(
+        "--lr_base",
+        type=positive_float,
+        default=V1["lr_base"],
+        help="learning rate of a global batch of --lr_base_batch",
+    )
+    add(
+        "--lr_base_batch",
+        type=positive_int,
+        default=V1["lr_base_batch"],
+        help="the global batch --lr_base is meant for",
+    )
+    add(
+        "--zero_init_residual",
+        action="store_true",
+        help="each residual block's last BatchNorm starts at zero (ResNets)",
+    )
     add("--momentum", type=number_flag(float, 0, 1, high_open=True), default=V1["momentum"], help="SGD momentum")
-    add("--weight_decay", type=non_negative_float, default=V1["weight_decay"], help="L2 penalty of SGD, on every parameter "
-        "unless the two flags below say otherwise")
-    add("--norm_weight_decay", type=non_negative_float, default=None, help="decay of norm-layer weights (default: --weight_decay)")
+    add(
+        "--weight_decay",
+        type=non_negative_float,
+        default=V1["weight_decay"],
+        help="L2 penalty of SGD, on every parameter unless the two flags below say otherwise",
+    )
+    add(
+        "--norm_weight_decay",
+        type=non_negative_float,
+        default=None,
+        help="decay of norm-layer weights (default: --weight_decay)",
+    )
     add("--bias_weight_decay", type=non_negative_float, default=None, help="decay of biases (default: --weight_decay)")
-    add("--label_smoothing", type=number_flag(float, 0, 1, high_open=True), default=V1["label_smoothing"],
-        help="weight of the uniform distribution in the targets")
-    add("--on_nonfinite_loss", choices=["stop", "skip"], default="stop",
-        help="a NaN/Inf loss stops the run (naming the step) or skips that optimizer step (counted)")
+    add(
+        "--label_smoothing",
+        type=number_flag(float, 0, 1, high_open=True),
+        default=V1["label_smoothing"],
+        help="weight of the uniform distribution in the targets",
+    )
+    add(
+        "--on_nonfinite_loss",
+        choices=["stop", "skip"],
+        default="stop",
+        help="a NaN/Inf loss stops the run (naming the step) or skips that optimizer step (counted)",
+    )
     add("--max_grad_norm", type=positive_float, default=None, help="clip the gradient norm on every optimizer step")
-    add_schedule("--lr_scheduler", choices=["step", "multistep", "cosine", "linear", "constant", "onecycle"],
-                 default=V1["lr_scheduler"], help="shape of the learning-rate schedule (05)")
+    add_schedule(
+        "--lr_scheduler",
+        choices=["step", "multistep", "cosine", "linear", "constant", "onecycle"],
+        default=V1["lr_scheduler"],
+        help="shape of the learning-rate schedule (05)",
+    )
     add_schedule("--lr_step_size", type=positive_float, default=V1["lr_step_size"], help="epochs between decays (step)")
-    add_schedule("--step_lr_decay", type=number_flag(float, 0, 1, low_open=True), default=V1["step_lr_decay"],
-                 help="decay factor gamma (step, multistep)")
-    add_schedule("--lr_milestones", type=positive_float, nargs="*", default=None, help="epochs of the decays (multistep)")
+    add_schedule(
+        "--step_lr_decay",
+        type=number_flag(float, 0, 1, low_open=True),
+        default=V1["step_lr_decay"],
+        help="decay factor gamma (step, multistep)",
+    )
+    add_schedule(
+        "--lr_milestones", type=positive_float, nargs="*", default=None, help="epochs of the decays (multistep)"
+    )
     add_schedule("--lr_min", type=non_negative_float, default=0.0, help="final LR (cosine, linear)")
-    add_schedule("--lr_warmup_epochs", type=non_negative_float, default=None,
-                 help="linear warmup in epochs, fractions allowed (default: 5 x (1 - 256 / global batch), none up to 256)")
-    add_schedule("--lr_warmup_start_factor", type=number_flag(float, 0, 1, low_open=True), default=0.01,
-                 help="warmup starts at lr x this factor")
+    add_schedule(
+        "--lr_warmup_epochs",
+        type=non_negative_float,
+        default=None,
+        help="linear warmup in epochs, fractions allowed (default: 5 x (1 - 256 / global batch), none up to 256)",
+    )
+    add_schedule(
+        "--lr_warmup_start_factor",
+        type=number_flag(float, 0, 1, low_open=True),
+        default=0.01,
+        help="warmup starts at lr x this factor",
+    )
 
 # %% ../notebooks/08a_production_script.ipynb #3f25f1a0
 def add_speed_and_checkpoint_flags(group, checkpoints) -> None:
@@ -733,25 +1082,46 @@ def add_speed_and_checkpoint_flags(group, checkpoints) -> None:
     add("--compile", action="store_true", help="train and evaluate a torch.compile'd model")
     add("--compile_backend", default="inductor", help="torch.compile backend (with --compile)")
     add("--ema", action="store_true", help="keep an EMA of the weights and evaluate it every epoch")
-    add("--ema_decay", type=number_flag(float, 0, 1, low_open=True, high_open=True), default=0.9999,
-        help="EMA decay per optimizer step; remembers about 1/(1-decay) steps")
+    add(
+        "--ema_decay",
+        type=number_flag(float, 0, 1, low_open=True, high_open=True),
+        default=0.9999,
+        help="EMA decay per optimizer step; remembers about 1/(1-decay) steps",
+    )
     add("--min_res", type=positive_int, default=None, help=f"{ramp} first resolution")
     add("--max_res", type=positive_int, default=None, help=f"{ramp} last resolution (the loader's crop)")
     add("--end_ramp", type=non_negative_int, default=None, help=f"{ramp} epoch that reaches --max_res")
     add("--start_ramp", type=non_negative_int, default=0, help=f"{ramp} last epoch at --min_res")
     add("--res_step", type=positive_int, default=32, help=f"{ramp} resolutions are multiples of this")
     add("--val_img_size", type=positive_int, default=None, help="evaluation resolution (default: --img_size)")
-    add("--peak_tflops", type=positive_float, default=None, help="the device's peak TFLOP/s for MFU (default: looked "
-        "up for known GPUs; none on CPU)")
-    add_checkpoint("--save_checkpoint_interval", type=positive_int, default=1, help="epochs between checkpoints (and at the end)")
-    add_checkpoint("--checkpoint_every_steps", type=positive_int, default=None, help="also every N optimizer steps, mid-epoch")
+    add(
+        "--peak_tflops",
+        type=positive_float,
+        default=None,
+        help="the device's peak TFLOP/s for MFU (default: looked up for known GPUs; none on CPU)",
+    )
+    add_checkpoint(
+        "--save_checkpoint_interval", type=positive_int, default=1, help="epochs between checkpoints (and at the end)"
+    )
+    add_checkpoint(
+        "--checkpoint_every_steps", type=positive_int, default=None, help="also every N optimizer steps, mid-epoch"
+    )
     add_checkpoint("--keep_last_checkpoints", type=positive_int, default=2, help="older checkpoints are deleted")
-    add_checkpoint("--resume_from_checkpoint", type=user_path, default=None,
-                   help="a checkpoint folder, or 'latest' (fresh if there is none)")
-    add_checkpoint("--stop_after_steps", type=positive_int, default=None,
-                   help="checkpoint and stop after this many optimizer steps in all (simulates a preemption)")
-    add_checkpoint("--inject_nan_at_steps", type=positive_int, nargs="*", default=None,
-                   help=argparse.SUPPRESS)  # testing hook of notebook 11a: NaN loss at these optimizer steps
+    add_checkpoint(
+        "--resume_from_checkpoint",
+        type=user_path,
+        default=None,
+        help="a checkpoint folder, or 'latest' (fresh if there is none)",
+    )
+    add_checkpoint(
+        "--stop_after_steps",
+        type=positive_int,
+        default=None,
+        help="checkpoint and stop after this many optimizer steps in all (simulates a preemption)",
+    )
+    add_checkpoint(
+        "--inject_nan_at_steps", type=positive_int, nargs="*", default=None, help=argparse.SUPPRESS
+    )  # testing hook of notebook 11a: NaN loss at these optimizer steps
 
 # %% ../notebooks/08a_production_script.ipynb #337852c2
 def default_args(**overrides) -> argparse.Namespace:
@@ -774,8 +1144,16 @@ def main(argv: list[str] | None = None) -> None:
     line and exits 2, a NaN/Inf loss 3, no traceback (11a), said once per launch; SIGTERM/SIGUSR1 and Ctrl-C
     checkpoint and exit 143/138/130; a second Ctrl-C stops at once (130). Bugs keep their traceback. The status also
     goes to `$TUTORIAL_EXIT_STATUS_FILE` when set (06c's `record_exit_status`): `accelerate launch` reports 1 for all."""
-    cli_main(get_args_parser(), run_command, argv, process=process_index(), shared=SHARED_ERRORS,
-             exit_statuses={NonFiniteLossError: 3}, line=error_line, on_exit=record_exit_status)
+    cli_main(
+        get_args_parser(),
+        run_command,
+        argv,
+        process=process_index(),
+        shared=SHARED_ERRORS,
+        exit_statuses={NonFiniteLossError: 3},
+        line=error_line,
+        on_exit=record_exit_status,
+    )
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -786,8 +1164,10 @@ def run_command(args: argparse.Namespace) -> int:
         if is_main_process():
             if isinstance(err, StopAtOnce):
                 last = latest_checkpoint(Path(args.working_directory) / args.experiment_name)
-                line = (f"stopped at once by a second Ctrl-C, without a checkpoint; the last one is {last or 'none'}: "
-                        "resume with --resume_from_checkpoint latest")
+                line = (
+                    f"stopped at once by a second Ctrl-C, without a checkpoint; the last one is {last or 'none'}: "
+                    "resume with --resume_from_checkpoint latest"
+                )
             else:
                 line = "interrupted by Ctrl-C outside the training loop: nothing in progress to save"
             print(f"tutorial-train: {line}", file=sys.stderr, flush=True)

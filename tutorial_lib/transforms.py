@@ -9,8 +9,8 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -68,8 +68,9 @@ def pipeline_stage_times(files: Sequence[str | os.PathLike], img_size: int = 224
         "classic: ToTensor (to float)": lambda k: TF.to_tensor(crops[k]),
         "classic: Normalize": lambda k: norm(floats[k]),
         "uint8: decode (decode_jpeg)": lambda k: decode_jpeg(encoded[k], mode=ImageReadMode.RGB),
-        "uint8: crop + resize (antialiased)": lambda k: F2.resized_crop(decoded[k], *boxes[k], [img_size, img_size],
-                                                                       antialias=True),
+        "uint8: crop + resize (antialiased)": lambda k: F2.resized_crop(
+            decoded[k], *boxes[k], [img_size, img_size], antialias=True
+        ),
     }
     times = {}
     for name, fn in stages.items():
@@ -139,6 +140,7 @@ def decode_fast(data: Tensor, path: str | os.PathLike = "<bytes>", reduce: int =
 @dataclass(frozen=True)
 class CropParams:
     """A crop box in pixels of the original image, and whether to mirror it."""
+
     top: int
     left: int
     height: int
@@ -146,8 +148,13 @@ class CropParams:
     flip: bool = False
 
 
-def sample_crop(height: int, width: int, scale: tuple[float, float] = (0.08, 1.0),
-                ratio: tuple[float, float] = (3 / 4, 4 / 3), flip_p: float = 0.5) -> CropParams:
+def sample_crop(
+    height: int,
+    width: int,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    flip_p: float = 0.5,
+) -> CropParams:
     """A random RandomResizedCrop box (area fraction in `scale`, aspect in `ratio`) and a random flip."""
     area = height * width
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
@@ -166,7 +173,6 @@ def sample_crop(height: int, width: int, scale: tuple[float, float] = (0.08, 1.0
     else:
         w, h = width, height
     return CropParams((height - h) // 2, (width - w) // 2, h, w, flip)
-
 
 # %% ../notebooks/07_data_pipeline.ipynb #561eefd7
 def center_crop_params(height: int, width: int, img_size: int, resize_size: int | None = None) -> CropParams:
@@ -198,13 +204,15 @@ def resized_crop_uint8(img: Tensor, params: CropParams, size: int) -> Tensor:
     top, left, bottom, right = params.top, params.left, params.top + params.height, params.left + params.width
     if img.dtype == torch.uint8 and img.device.type == "cpu" and img.dim() == 3:
         hwc = img.permute(1, 2, 0)[None].permute(0, 3, 1, 2)  # (1, C, H, W) with channels_last strides
-        out = torch.nn.functional.interpolate(hwc[:, :, top:bottom, left:right], size=[size, size],
-                                              mode="bilinear", antialias=True, align_corners=False)[0]
+        out = torch.nn.functional.interpolate(
+            hwc[:, :, top:bottom, left:right], size=[size, size], mode="bilinear", antialias=True, align_corners=False
+        )[0]
     else:  # GPU (uint8 antialiasing goes through float there) or float images
         import torchvision.transforms.v2.functional as F2
 
-        out = F2.resize(img[..., top:bottom, left:right], [size, size],
-                        interpolation=F2.InterpolationMode.BILINEAR, antialias=True)
+        out = F2.resize(
+            img[..., top:bottom, left:right], [size, size], interpolation=F2.InterpolationMode.BILINEAR, antialias=True
+        )
     return out.flip(-1) if params.flip else out
 
 # %% ../notebooks/07_data_pipeline.ipynb #5a5e7d2b
@@ -233,9 +241,14 @@ class _FastTransform:
 class FastTrainTransform(_FastTransform):
     """RandomResizedCrop + flip on `uint8`, decoding JPEGs at reduced size when the crop allows (07 §5)."""
 
-    def __init__(self, img_size: int = 224, scale: tuple[float, float] = (0.08, 1.0),
-                 ratio: tuple[float, float] = (3 / 4, 4 / 3), reduced_decode: bool = True,
-                 decode: Callable[..., Tensor] = decode_fast):
+    def __init__(
+        self,
+        img_size: int = 224,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        reduced_decode: bool = True,
+        decode: Callable[..., Tensor] = decode_fast,
+    ):
         super().__init__(img_size, reduced_decode, decode)
         self.scale, self.ratio = scale, ratio
 
@@ -246,8 +259,13 @@ class FastTrainTransform(_FastTransform):
 class FastValTransform(_FastTransform):
     """Resize(img_size·256/224) + CenterCrop(img_size) on `uint8`: crops first, resizes only the kept box."""
 
-    def __init__(self, img_size: int = 224, resize_size: int | None = None, reduced_decode: bool = True,
-                 decode: Callable[..., Tensor] = decode_fast):
+    def __init__(
+        self,
+        img_size: int = 224,
+        resize_size: int | None = None,
+        reduced_decode: bool = True,
+        decode: Callable[..., Tensor] = decode_fast,
+    ):
         super().__init__(img_size, reduced_decode, decode)
         self.resize_size = resize_size
 
@@ -296,8 +314,9 @@ def normalize_on_device(images: Tensor, channels_last: bool = False) -> Tensor:
     return images
 
 # %% ../notebooks/07_data_pipeline.ipynb #744cd414
-def progressive_resolution(epoch: int, min_res: int, max_res: int, end_ramp: int, start_ramp: int = 0,
-                           step: int = 32) -> int:
+def progressive_resolution(
+    epoch: int, min_res: int, max_res: int, end_ramp: int, start_ramp: int = 0, step: int = 32
+) -> int:
     """Training resolution of `epoch` (0-based): `min_res` up to `start_ramp`, rising linearly to
     `max_res` at `end_ramp`, rounded to a multiple of `step` px (FFCV's schedule; its cost in 10)."""
     if not 0 < min_res <= max_res:
@@ -318,8 +337,8 @@ def resize_batch(images: Tensor, res: int) -> Tensor:
     Progressive resizing's last step, just before the model; a no-op when the size already matches."""
     if tuple(images.shape[-2:]) == (res, res):
         return images
-    channels_last = images.dim() == 4 and images.is_contiguous(memory_format=torch.channels_last) \
-        and not images.is_contiguous()
-    out = torch.nn.functional.interpolate(images, size=(res, res), mode="bilinear", align_corners=False,
-                                          antialias=True)
+    channels_last = (
+        images.dim() == 4 and images.is_contiguous(memory_format=torch.channels_last) and not images.is_contiguous()
+    )
+    out = torch.nn.functional.interpolate(images, size=(res, res), mode="bilinear", align_corners=False, antialias=True)
     return out.contiguous(memory_format=torch.channels_last) if channels_last else out
