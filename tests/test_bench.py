@@ -317,7 +317,8 @@ def test_our_step_runs_the_training_scripts_epoch_with_its_scheduler_and_clippin
     assert shapes == [(4, 3, 32, 32)] * 6, "the training step sees the batch as it is (no resize, same size)"
     moved = (model.fc.weight - w0).norm().item()
     assert moved > 0, "train_one_epoch must update the weights"
-    # clipping to a norm of 1e-3 bounds every step: 6 SGD steps with momentum move fc by less than 6 * 0.05 * 1e-3 * (1/(1-0.9))
+    # clipping to a norm of 1e-3 bounds every step: 6 SGD steps with momentum move fc by less than
+    # 6 * 0.05 * 1e-3 * (1/(1-0.9))
     assert moved < 6 * 0.05 * 1e-3 * 10
     with pytest.raises(ValueError, match="built for epochs of 3 steps"):
         run(2)

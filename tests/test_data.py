@@ -1,7 +1,8 @@
 """tutorial_lib.data (notebook 07): layout checks, fast vs classic pipelines, bad inputs, prepare-val, loaders.
 
 Everything runs on images generated in tmp_path, on the embedded dataset, or on the five real ImageNet
-JPEGs committed in tests/assets/imagenet; only the last test reads ../shared beside the project root (and skips without it)."""
+JPEGs committed in tests/assets/imagenet; only the last test reads ../shared beside the project root (and skips
+without it)."""
 
 import gzip
 import hashlib
@@ -628,7 +629,7 @@ def test_a_decompression_bomb_is_an_unreadable_image_named_in_every_pipeline(tmp
         "classic": lambda: load_pil_rgb(path),
         "gpu": lambda: EncodedTransform()(read_bytes(path), path),
     }
-    for name, call in calls.items():
+    for call in calls.values():
         with pytest.raises(UnreadableImageError, match=expected):
             call()
 
@@ -658,7 +659,10 @@ def test_bomb_and_missing_files_stop_with_their_name_or_are_counted_skips(tmp_pa
 def png16(array: np.ndarray) -> bytes:
     """A 16-bit RGB PNG (colour type 2, bit depth 16), written by hand: PIL cannot write one."""
     height, width, _ = array.shape
-    chunk = lambda kind, body: struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
     rows = b"".join(b"\0" + array[y].astype(">u2").tobytes() for y in range(height))
     return (
         b"\x89PNG\r\n\x1a\n"
@@ -677,7 +681,10 @@ def test_16_bit_pngs_named_jpeg_decode_to_8_bit_scaled_not_clipped(tmp_path):
     assert Image.open(grey_path).mode == "I;16"
     rgb_path = tmp_path / "rgb16.JPEG"
     rgb_path.write_bytes(png16(rgb))
-    to8 = lambda a: ((a.astype(np.int64) * 255 + 32767) // 65535).astype(np.uint8)  # round(v · 255 / 65535)
+
+    def to8(a: np.ndarray) -> np.ndarray:  # round(v · 255 / 65535)
+        return ((a.astype(np.int64) * 255 + 32767) // 65535).astype(np.uint8)
+
     for path, expected in [(grey_path, np.repeat(to8(grey)[..., None], 3, -1)), (rgb_path, to8(rgb))]:
         fast = decode_rgb(read_bytes(path), path).permute(1, 2, 0).numpy()
         assert np.array_equal(fast, expected), path.name
@@ -786,12 +793,15 @@ def test_prepare_val_refuses_a_mismatch_and_changes_nothing(tmp_path, case):
 def test_prepare_val_command_line(tmp_path):
     val = flat_val(tmp_path / "val")
     csv_path = kaggle_csv(tmp_path / "LOC_val_solution.csv")
-    run = lambda *args: subprocess.run(
-        [sys.executable, "-m", "tutorial_lib.data", "prepare-val", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
+
+    def run(*args) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "tutorial_lib.data", "prepare-val", *map(str, args)],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+        )
+
     dry = run(val, csv_path)
     assert dry.returncode == 0 and "to move: 6" in dry.stdout and "dry run" in dry.stdout
     assert len(list(val.glob("*.JPEG"))) == 6

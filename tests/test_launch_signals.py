@@ -258,7 +258,7 @@ def test_the_scripts_exit_status_and_one_line_survive_accelerate_launch(tmp_path
         timeout=300,
     )
     assert (done.returncode, done.launcher_returncode) == (status, 1), (done.returncode, done.stderr[-3000:])
-    errors = [l for l in done.stderr_lines if l.startswith("tutorial-train:")]
+    errors = [text for text in done.stderr_lines if text.startswith("tutorial-train:")]
     assert len(errors) == 1 and errors[0].startswith(line), errors
     assert not done.script_traceback and "Connection closed" not in done.stderr, done.stderr[-3000:]
 
@@ -371,7 +371,7 @@ def test_ctrl_c_in_a_terminal_checkpoints_exits_130_with_one_line_and_resumes_id
     proc.interrupt(300)
     stopped = proc.result(10)
     assert stopped.returncode == 130, (stopped.returncode, stopped.stderr[-3000:])
-    said = [l for l in stopped.stderr_lines if l.startswith("Ctrl-C")]
+    said = [text for text in stopped.stderr_lines if text.startswith("Ctrl-C")]
     assert said == [
         "Ctrl-C: stopping after this optimizer step, with a checkpoint; press Ctrl-C again to stop at once, without one"
     ], stopped.stderr_lines

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from tutorial_lib.launching import launch_with_timeout
 
@@ -45,7 +46,7 @@ def test_launch_with_timeout_kills_a_hung_launch_and_starts_it_again(tmp_path):
 @pytest.mark.slow
 def test_launch_with_timeout_gives_up_after_its_attempts(tmp_path):
     marker = str(tmp_path / "launches")
-    with pytest.raises(Exception):
+    with pytest.raises(ChildFailedError):
         launch_with_timeout(hang_once_on_rank_1, (marker,), num_processes=2, timeout=10, attempts=1)
     assert Path(marker).read_text() == "x"
 

@@ -793,7 +793,7 @@ def test_sigterm_mid_epoch_checkpoints_and_the_resumed_run_is_bit_identical(tmp_
     os.kill(proc.pid, signal.SIGTERM)
     stopped = proc.result(timeout=120)
     assert stopped.returncode == 143 and not stopped.has_traceback, (stopped.returncode, stopped.stderr[-2000:])
-    line = [l for l in stopped.stdout.splitlines() if l.startswith("stopped at optimizer step")][-1]
+    line = [text for text in stopped.stdout.splitlines() if text.startswith("stopped at optimizer step")][-1]
     assert "(SIGTERM): checkpoint saved, resume with --resume_from_checkpoint latest" in line, line
     run = tmp_path / "runs" / "term"
     step = int(line.split()[4].rstrip(","))
@@ -820,8 +820,9 @@ def _can_mount_a_small_disk() -> bool:
 
 @pytest.mark.skipif(not _can_mount_a_small_disk(), reason="needs `unshare -rm` to mount a small tmpfs")
 def test_a_full_disk_stops_the_save_with_one_line_and_keeps_the_previous_checkpoint(tmp_path, data):
-    """In a private mount namespace, runs write to a 600 KB tmpfs: the third checkpoint (228 KB each) does not fit. After the
-    disk is grown (as a user who frees space would), the resumed run ends bit-identical to one that never stopped."""
+    """In a private mount namespace, runs write to a 600 KB tmpfs: the third checkpoint (228 KB each) does not fit.
+    After the disk is grown (as a user who frees space would), the resumed run ends bit-identical to one that never
+    stopped."""
     flags = as_flags(
         {**TINY, "path_to_data": data, "epochs": 3, "checkpoint_every_steps": 2, "keep_last_checkpoints": 10}
     )

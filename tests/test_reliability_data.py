@@ -134,7 +134,8 @@ def test_prepare_val_refuses_devkit_class_names_that_leave_the_folder(tmp_path, 
 
 @pytest.mark.parametrize("source", ["text mapping", "Kaggle CSV", "dict"])
 def test_every_class_name_source_passes_the_same_check(tmp_path, capsys, source):
-    """A class name that is a path is refused whether it comes from a text file, a CSV or a dict given to prepare_val."""
+    """A class name that is a path is refused whether it comes from a text file, a CSV or a dict given to
+    prepare_val."""
     val = flat_val(tmp_path / "a" / "b" / "val", 2)
     truth = {"ILSVRC2012_val_00000001": "n01440764", "ILSVRC2012_val_00000002": "../../escaped"}
     before = listing(tmp_path)
@@ -261,7 +262,8 @@ def test_a_leftover_that_cannot_be_removed_is_named(tmp_path, capsys, monkeypatc
 
 @pytest.mark.parametrize("command", ["prepare-val", "prepare-val --link --out", "shard", "from-archives"])
 def test_tilde_in_the_data_tools_paths_is_the_home_folder(tmp_path, capsys, monkeypatch, command):
-    """`"~/x"` (quoted, so the shell left it) means $HOME/x in every path argument, as the shell would have expanded it."""
+    """`"~/x"` (quoted, so the shell left it) means $HOME/x in every path argument, as the shell would have
+    expanded it."""
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
@@ -344,7 +346,8 @@ OTHER_NAMES = ["cat", "dog", "frog", "truck"]
     ],
 )
 def test_parquet_validation_split_with_other_class_names_is_refused(tmp_path, val_names, words):
-    """🤗 datasets gives the validation split the train shard's features; the names its own shards declare are compared."""
+    """🤗 datasets gives the validation split the train shard's features; the names its own shards declare are
+    compared."""
     source = parquet_data(tmp_path / "pq", val_names=val_names)
     with pytest.raises(DataLayoutError) as caught:
         build_datasets(source, img_size=16)

@@ -422,8 +422,8 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_at_start_in_sensible_uni
 
 @pytest.mark.skipif(can_mount_small_disk() is not None, reason="needs `unshare -rm` to mount a small tmpfs")
 def test_a_disk_that_fills_at_the_final_save_is_one_line_in_sensible_units(tmp_path, data):
-    """300 KB: room for the estimate (about 250 KB) and the one checkpoint (about 210 KB), not for model.safetensors after
-    it (93 KB): the save of the final weights finds the disk full."""
+    """300 KB: room for the estimate (about 250 KB) and the one checkpoint (about 210 KB), not for
+    model.safetensors after it (93 KB): the save of the final weights finds the disk full."""
     disk = tmp_path / "disk"
     disk.mkdir()
     done = run_cli(
@@ -458,9 +458,9 @@ def test_the_derived_warmup_is_capped_in_a_short_run_and_said(tmp_path):
     [
         (
             dict(lr_scheduler="onecycle", learning_rate=None),
-            "--lr_scheduler onecycle rises during the warmup, but the warmup derived from the global batch is 0 epochs (5 x (1 - "
-            "256 / global batch), none up to 256): give --lr_warmup_epochs, more than 0 and at most half the run (e.g. "
-            "--lr_warmup_epochs 0.3)",
+            "--lr_scheduler onecycle rises during the warmup, but the warmup derived from the global batch is "
+            "0 epochs (5 x (1 - 256 / global batch), none up to 256): give --lr_warmup_epochs, more than 0 and at "
+            "most half the run (e.g. --lr_warmup_epochs 0.3)",
         ),
         (
             dict(lr_scheduler="cosine", lr_min=0.01, learning_rate=None),
@@ -588,25 +588,26 @@ ANOTHER = "it was not written by this script for this model: resume from a check
         (
             "train_state.json",
             _progress(lambda s: (s.pop("global_step"), s.update(evil=1))),
-            "train_state.json is not this script's (missing ['global_step'], unexpected ['evil']); resume from a checkpoint "
-            "of this run",
+            "train_state.json is not this script's (missing ['global_step'], unexpected ['evil']); "
+            "resume from a checkpoint of this run",
         ),
         (
             "train_state.json",
             _progress(lambda s: s.update(epoch="one")),
-            "train_state.json is not this script's (epoch is 'one', expected a non-negative integer); resume from a checkpoint "
-            "of this run",
+            "train_state.json is not this script's (epoch is 'one', expected a non-negative integer); "
+            "resume from a checkpoint of this run",
         ),
         (
             "train_state.json",
             _progress(lambda s: s.update(layout={"processes": 1})),
-            "train_state.json is not this script's (layout is {'processes': 1}, expected a list); resume from a checkpoint of "
-            "this run",
+            "train_state.json is not this script's (layout is {'processes': 1}, expected a list); "
+            "resume from a checkpoint of this run",
         ),
         (
             "train_state.json",
             lambda path: path.write_text('{"epoch": 1,'),
-            "train_state.json is unreadable (Expecting property name enclosed in double quotes: line 1 column 13 (char 12)); "
+            "train_state.json is unreadable "
+            "(Expecting property name enclosed in double quotes: line 1 column 13 (char 12)); "
             "resume from another checkpoint",
         ),
     ],

@@ -4,10 +4,11 @@ under load.
 09 compares (1) the first optimizer step's gradient of a 2-process DDP run of the training script with the
 1-process run on the same global batch, within the float32 summation-order bound n · u of 02's
 `summation_tolerance`, and (2) the curves of a longer run (training top-1 per epoch, final validation top-1)
-within three standard errors of the difference of two accuracies measured on the same images. Both must hold whatever the number of threads and the load: each case
-runs in a fresh interpreter (a process whose OpenMP threads have run cannot safely fork workers that use
-threads), launches the DDP runs with `notebook_launcher` (through 06's `launch_with_timeout`) before any
-training in that interpreter, as 09 does, then trains the 1-process twins."""
+within three standard errors of the difference of two accuracies measured on the same images. Both must hold
+whatever the number of threads and the load: each case runs in a fresh interpreter (a process whose OpenMP
+threads have run cannot safely fork workers that use threads), launches the DDP runs with `notebook_launcher`
+(through 06's `launch_with_timeout`) before any training in that interpreter, as 09 does, then trains the
+1-process twins."""
 
 import json
 import math

@@ -147,7 +147,7 @@ def test_assert_user_error_rejects_tracebacks_extra_lines_and_wrong_codes():
             assert_user_error(bad, "--epochs must be >= 1, got 0")
 
 
-def test_stress_command_line_refuses_bad_values_in_one_line():
+def test_stress_command_line_refuses_bad_values_in_one_line(capsys):
     done = subprocess.run(
         [sys.executable, "-m", "tutorial_lib.stress", "resume", "--trials", "0"],
         capture_output=True,
@@ -174,6 +174,7 @@ def test_stress_command_line_refuses_bad_values_in_one_line():
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         assert exit_.value.code == 2, argv
+        assert capsys.readouterr().err.endswith(f": error: {message}\n"), argv
     with pytest.raises(ValueError, match="kinds must be some of"):
         stress_resume(trials=1, kinds=("sighup",))
 

@@ -370,7 +370,10 @@ def test_gradient_clipping_bounds_every_optimizer_step(tmp_path):
     clipped = run(tmp_path, "clipped", **plain, max_grad_norm=1e-3, gradient_accumulation_steps=2)
     run(tmp_path, "free", **plain, gradient_accumulation_steps=2)
     init, w_clipped, w_free = weights(tmp_path / "init"), weights(tmp_path / "clipped"), weights(tmp_path / "free")
-    moved = lambda w: sum(((w[k] - init[k]).double() ** 2).sum() for k in w).sqrt().item()
+
+    def moved(w: dict) -> float:
+        return sum(((w[k] - init[k]).double() ** 2).sum() for k in w).sqrt().item()
+
     assert clipped["optimizer_steps"] == 3  # 5 batches, accumulation 2: clipping happens on the 3 sync steps only
     assert 0 < moved(w_clipped) <= 3 * 0.05 * 1e-3 * (1 + 1e-4)
     assert moved(w_free) > 100 * moved(w_clipped)
@@ -511,7 +514,7 @@ def test_accelerate_launch_cpu_with_two_processes_says_it_starts_one_and_how_to_
     launcher = ["accelerate.commands.launch", "--cpu", "--num_processes", "2", "--main_process_port", str(free_port())]
     code, out, err = run_cli_process(tmp_path, tiny_flags(tmp_path), launcher=launcher)
     assert code != 0, "the launch must not train one process as if two had been asked"  # accelerate reports 1
-    line = [l for l in err.splitlines() if l.startswith("tutorial-train: error:")]
+    line = [text for text in err.splitlines() if text.startswith("tutorial-train: error:")]
     assert len(line) == 1 and "starts one process, not N" in line[0] and "--multi_gpu --num_processes N" in line[0]
 
 

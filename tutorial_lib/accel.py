@@ -87,7 +87,10 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 def format_metrics_table(rows: list[dict]) -> str:
     """Rows of `metrics.jsonl` as a fixed-width text table (what the training script prints, 08a)."""
-    head = f"{'epoch':>5} {'train_loss':>10} {'train_top1':>10} {'val_loss':>9} {'val_top1':>8} {'val_top5':>8} {'lr':>9} {'img/s':>8} (all processes)"
+    head = (
+        f"{'epoch':>5} {'train_loss':>10} {'train_top1':>10} {'val_loss':>9} {'val_top1':>8} {'val_top5':>8} "
+        f"{'lr':>9} {'img/s':>8} (all processes)"
+    )
     lines = [head]
     for r in rows:
         lines.append(

@@ -340,7 +340,8 @@ def run_accumulation_timeline(
     width: int = 32,
     seed: int = 0,
 ) -> dict:
-    """Launch `accumulation_timeline_worker` on `num_processes` CPU processes (gloo) and summarise what it recorded (01).
+    """Launch `accumulation_timeline_worker` on `num_processes` CPU processes (gloo) and summarise what it
+    recorded (01).
 
     Returns each process's micro-steps and hook events, the number of all-reduces (hook calls) in
     every micro-step, and whether the processes held identical gradients after each micro-step."""

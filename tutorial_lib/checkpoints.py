@@ -472,7 +472,8 @@ class TrainState:
         return dataclasses.asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what `state_dict` saved; other keys, or values of another type, raise `ValueError` (a crafted file)."""
+        """Restore what `state_dict` saved; other keys, or values of another type, raise `ValueError` (a crafted
+        file)."""
         kinds = {f.name: type(getattr(TrainState(), f.name)) for f in dataclasses.fields(self)}
         if not isinstance(state, dict) or set(state) != set(kinds):
             keys = set(state) if isinstance(state, dict) else set()

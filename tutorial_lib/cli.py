@@ -108,8 +108,9 @@ def model_name(text: str) -> str:
 
 def run_name(text: str) -> str:
     """An argparse `type=` for `--experiment_name`: a folder inside `--working_directory`, normalised (`a/./b/` ->
-    `a/b`). Empty, `.`, absolute, or leading out of it (`..` first once normalised, as in `a/../..`) is refused: the run would write
-    into the working directory itself (and `--overwrite` move every other run aside with it) or outside it."""
+    `a/b`). Empty, `.`, absolute, or leading out of it (`..` first once normalised, as in `a/../..`) is refused:
+    the run would write into the working directory itself (and `--overwrite` move every other run aside with it)
+    or outside it."""
     name = os.path.normpath(text) if text.strip() else ""
     fix = "name a folder inside it, e.g. --experiment_name resnet50_v1"
     if not name:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import atexit
 import functools
+import json
 import os
 import platform
 import random
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -242,7 +244,8 @@ class StepClock:
 # %% ../notebooks/00_introduction.ipynb #7f565a60
 class StepTimer(StepClock):
     """Per-epoch accounting of a training loop: `StepClock`'s time waiting for data vs computing, and images/s,
-    peak memory and MFU. Taught in 00; the training script (08a) keeps one per epoch and notebook 10 measures with it."""
+    peak memory and MFU. Taught in 00; the training script (08a) keeps one per epoch and notebook 10 measures
+    with it."""
 
     def __init__(
         self,
@@ -333,10 +336,6 @@ def bf16_supported() -> bool:
         return False
 
 # %% ../notebooks/00_introduction.ipynb #78cdee42
-import json
-import subprocess
-
-
 def accelerate_cli(args: list, env: dict | None = None, timeout: float = 300.0) -> subprocess.CompletedProcess:
     """Run the `accelerate` command line (`config`, `env`, `launch`, ...) and capture its output.
 
@@ -367,7 +366,8 @@ def cpu_launch_config(source: str | Path, target: str | Path, num_processes: int
     return config
 
 # %% ../notebooks/00_introduction.ipynb #d7961dfa
-STATE_PROBE = '''"""Record what accelerate set up in this process: <folder>/state-<pid>.json (written by tutorial_lib.core)."""
+STATE_PROBE = '''\
+"""Record what accelerate set up in this process: <folder>/state-<pid>.json (written by tutorial_lib.core)."""
 import json, os, sys
 from pathlib import Path
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .accel import MissingPathError
 from tutorial_lib.cli import (
     HelpFormatter,
     OneLineParser,
@@ -24,6 +25,7 @@ from tutorial_lib.cli import (
     positive_float,
     run_on_user_files,
 )
+from .core import in_notebook
 from tutorial_lib.sources import (
     IMG_EXTENSIONS,
     OFFICIAL_ARCHIVES,
@@ -37,9 +39,6 @@ from tutorial_lib.sources import (
     require_datasets,
     scan_image_folder,
 )
-
-from .accel import MissingPathError
-from .core import in_notebook
 
 # %% auto #0
 __all__ = ['SHARD_MB', 'ILSVRC2012_COUNTS', 'read_val_mapping', 'prepare_val', 'hub_features', 'plan_shards', 'shard_table',
@@ -328,7 +327,8 @@ def prepare_val(
         else:
             shutil.move(str(src), str(dst))  # a rename within one file system
     log(
-        f"{'linked' if link else 'moved'} {len(todo)} images into {len({d.parent for _, d in todo})} class folders of {out}"
+        f"{'linked' if link else 'moved'} {len(todo)} images into "
+        f"{len({d.parent for _, d in todo})} class folders of {out}"
     )
     return counts
 
@@ -445,7 +445,7 @@ def write_shards(
     for leftover in out.glob(".tmp-*"):  # a shard an interrupted run was writing
         leftover.unlink()
     progress = Progress(needed, "shard", unit="B", interval=progress_interval, summary=True)
-    for split, split_dir, samples, sizes, (start, stop), name in todo:
+    for _split, split_dir, samples, sizes, (start, stop), name in todo:
         tmp = out / f".tmp-{name}"
         with pq.ParquetWriter(tmp, schema, compression="none", use_dictionary=False) as writer:
             for first in range(start, stop, rows_per_group):
@@ -584,7 +584,8 @@ def _unpack_class(train_tar, member, folder: Path) -> int:
 
 
 def _remove_leftover(path: Path) -> None:
-    """Remove what an interrupted run left (`.tmp-*`): a link or a file is unlinked (never followed), a folder deleted."""
+    """Remove what an interrupted run left (`.tmp-*`): a link or a file is unlinked (never followed), a
+    folder deleted."""
     try:
         if path.is_symlink() or not path.is_dir():
             path.unlink()
@@ -605,7 +606,8 @@ def _own_file(path: Path, top: Path) -> bool:
 
 
 def verify_unpacked(out_dir: str | os.PathLike, devkit: Devkit) -> dict:
-    """Count the images `from_archives` wrote and compare them with the devkit (and, for the official devkit, ILSVRC2012)."""
+    """Count the images `from_archives` wrote and compare them with the devkit (and, for the official devkit,
+    ILSVRC2012)."""
     from collections import Counter
 
     out = Path(out_dir)

@@ -327,7 +327,8 @@ def run_command(args: argparse.Namespace) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of `python -m tutorial_lib.databench`: 00a's `cli_main` (one line and exit status 2 for a wrong input)."""
+    """Entry point of `python -m tutorial_lib.databench`: 00a's `cli_main` (one line and exit status 2 for a
+    wrong input)."""
     cli_main(get_args_parser(), run_command, argv)
 
 # %% ../notebooks/07e_data_benchmarks.ipynb #e9f37c18

@@ -36,16 +36,15 @@ def launch_with_timeout(
     handlers the agent installs in this process are removed afterwards."""
     from accelerate import notebook_launcher
 
+    def kill_workers(timed_out: threading.Event, before: set) -> None:
+        timed_out.set()
+        for worker in set(multiprocessing.active_children()) - before:
+            worker.kill()
+
     for attempt in range(1, attempts + 1):
         before = set(multiprocessing.active_children())  # the launcher's workers are this process's children
         timed_out = threading.Event()
-
-        def kill_workers() -> None:
-            timed_out.set()
-            for worker in set(multiprocessing.active_children()) - before:
-                worker.kill()
-
-        timer = threading.Timer(timeout, kill_workers) if timeout else None
+        timer = threading.Timer(timeout, kill_workers, (timed_out, before)) if timeout else None
         if timer:
             timer.daemon = True
             timer.start()

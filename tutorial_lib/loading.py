@@ -172,7 +172,8 @@ def pipeline_transforms(
     scale: tuple[float, float] = (0.08, 1.0),
     reduced_decode: bool = True,
 ) -> tuple[Callable, Callable]:
-    """The (train, val) transforms of a pipeline; the fast ones decode with `decode_rgb` (bad files named, bombs refused)."""
+    """The (train, val) transforms of a pipeline; the fast ones decode with `decode_rgb` (bad files named,
+    bombs refused)."""
     if pipeline == "fast":
         return (
             FastTrainTransform(img_size, scale, reduced_decode=reduced_decode, decode=decode_rgb),

@@ -3,7 +3,9 @@
 # %% ../notebooks/04_weight_decay.ipynb #bf865073
 from __future__ import annotations
 
+import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel
 
 # %% auto #0
 __all__ = ['NORM_TYPES', 'parameter_kinds', 'param_groups', 'ModelEMA', 'make_ema']
@@ -70,10 +72,6 @@ def param_groups(
     return groups
 
 # %% ../notebooks/04_weight_decay.ipynb #b8379914
-import torch
-from torch.optim.swa_utils import AveragedModel
-
-
 class ModelEMA(AveragedModel):
     """PyTorch's `AveragedModel` as an exponential moving average whose update never waits for the GPU.
 

@@ -21,7 +21,6 @@ from tutorial_lib.accumulation import (
     timed_forward_backward,
     toy_batch,
 )
-
 from .core import fork_safe
 
 # %% auto #0
@@ -151,7 +150,8 @@ def ddp_timeline_worker(
     arch: str = "resnet50",
     seed: int = 0,
 ) -> None:
-    """Run by each process under `debug_launcher`: `steps` DDP steps of a torchvision model per bucket size, recorded (02).
+    """Run by each process under `debug_launcher`: `steps` DDP steps of a torchvision model per bucket size,
+    recorded (02).
 
     For each `bucket_cap_mb` in `bucket_caps_mb` (one `Accelerator` each, same initial weights), saves
     to `out_dir/rank{i}.pt`, per step, the forward and backward times and when the first and the last
@@ -171,7 +171,7 @@ def ddp_timeline_worker(
         model.register_comm_hook(None, recorder.hook)  # every bucket's all-reduce goes through it
         ready: list[float] = []
         for p in accelerator.unwrap_model(model).parameters():
-            p.register_post_accumulate_grad_hook(lambda p: ready.append(time.perf_counter()))
+            p.register_post_accumulate_grad_hook(lambda _param, ready=ready: ready.append(time.perf_counter()))
         inputs, targets = toy_batch(batch_size, img_size=img_size, seed=seed + rank)  # this process's shard
         recorded = []
         for step in range(steps):
@@ -199,7 +199,8 @@ def run_ddp_timeline(
     arch: str = "resnet50",
     seed: int = 0,
 ) -> dict:
-    """Launch `ddp_timeline_worker` on `num_processes` CPU processes (gloo); return, per bucket size, what each recorded (02).
+    """Launch `ddp_timeline_worker` on `num_processes` CPU processes (gloo); return, per bucket size, what each
+    recorded (02).
 
     Each entry has `ranks` (every process's steps and events), `buckets_per_step` (hook calls in each
     step, per process) and `bucket_mib` (the sizes of the last step's buckets, process 0)."""

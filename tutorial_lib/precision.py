@@ -135,11 +135,8 @@ def autocast_output_dtypes(
     seen, hooks = {}, []
     for name, module in model.named_modules():
         if name:
-            hooks.append(
-                module.register_forward_hook(
-                    lambda mod, inp, out, key=f"{name} ({type(module).__name__})": seen.__setitem__(key, out.dtype)
-                )
-            )
+            key = f"{name} ({type(module).__name__})"
+            hooks.append(module.register_forward_hook(lambda mod, inp, out, key=key: seen.__setitem__(key, out.dtype)))
     try:
         with torch.autocast(device_type, dtype=dtype):
             model(x)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .accel import is_main_process
 from tutorial_lib.checkpoints import (
     DiskFullError,
     RunFolderError,
@@ -24,8 +25,6 @@ from tutorial_lib.checkpoints import (
     format_bytes,
     latest_checkpoint,
 )
-
-from .accel import is_main_process
 from .core import UserError
 
 # %% auto #0
@@ -193,7 +192,8 @@ def cut_metrics(path: str | os.PathLike, before_epoch: int, warn=None) -> dict:
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
     if warn is not None and (later or torn):
         warn(
-            f"warning: {path.name} cut back to epoch {before_epoch}: {later} later and {torn} unreadable line(s) dropped"
+            f"warning: {path.name} cut back to epoch {before_epoch}: "
+            f"{later} later and {torn} unreadable line(s) dropped"
         )
     return {"kept": kept, "dropped_later": later, "dropped_unreadable": torn}
 
@@ -308,7 +308,8 @@ class NonFiniteGuard:
         if steps.numel():
             raise NonFiniteLossError(
                 f"the loss became NaN or Inf at optimizer step {int(steps.min())} (epoch {epoch}); training "
-                f"stopped and nothing after it was saved. Last good checkpoint: {latest_checkpoint(run_dir) or 'none'}. "
+                "stopped and nothing after it was saved. "
+                f"Last good checkpoint: {latest_checkpoint(run_dir) or 'none'}. "
                 "Lower --learning_rate or set --max_grad_norm and resume with --resume_from_checkpoint latest, or "
                 "pass --on_nonfinite_loss skip to skip such steps"
             )
@@ -404,4 +405,7 @@ class StopRequest:
         """What the loop adds to its 'stopped at step N' line: the signal and how to continue ('' if none)."""
         if not self.stopped:
             return ""
-        return f" ({self.received or 'a signal to another process'}): checkpoint saved, resume with --resume_from_checkpoint latest"
+        return (
+            f" ({self.received or 'a signal to another process'}): checkpoint saved, "
+            "resume with --resume_from_checkpoint latest"
+        )

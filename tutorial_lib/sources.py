@@ -366,7 +366,8 @@ def resolve_data_source(path_to_data: str | os.PathLike | DataSource) -> DataSou
 
 # %% ../notebooks/07a_imagenet_sources.ipynb #4e19c304
 class UnreadableImageError(UserError, OSError):
-    """An image file that cannot be read or decoded (missing, truncated, corrupt, not an image, a decompression bomb)."""
+    """An image file that cannot be read or decoded (missing, truncated, corrupt, not an image, a decompression
+    bomb)."""
 
 
 def error_reason(err: BaseException) -> str:

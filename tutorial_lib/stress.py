@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .checkpoints import sha256_file
 from tutorial_lib.cli import (
     HelpFormatter,
     OneLineParser,
@@ -31,8 +32,6 @@ from tutorial_lib.cli import (
     non_negative_int,
     positive_int,
 )
-
-from .checkpoints import sha256_file
 from .core import UserError, free_port, in_notebook
 from .launching import EXIT_STATUS_ENV, read_exit_status
 
@@ -609,13 +608,15 @@ def trial_kill_plans(
 
 
 def scale_kill_plan(plan: KillPlan, saves: int, saves_left: int) -> KillPlan:
-    """`plan` for the `saves_left` of `saves` checkpoints still to come: save `nth` and `seconds` shrink in proportion."""
+    """`plan` for the `saves_left` of `saves` checkpoints still to come: save `nth` and `seconds` shrink in
+    proportion."""
     share = max(0, saves_left) / max(1, saves)
     return KillPlan(plan.kind, nth=max(1, math.ceil(plan.nth * share)), files=plan.files, seconds=plan.seconds * share)
 
 
 def stopped_at_step(stdout: str) -> int | None:
-    """N of the training script's last "stopped at optimizer step N, ..." line (after SIGTERM/SIGUSR1/Ctrl-C), else None."""
+    """N of the training script's last "stopped at optimizer step N, ..." line (after SIGTERM/SIGUSR1/Ctrl-C), else
+    None."""
     lines = [line for line in stdout.splitlines() if line.startswith("stopped at optimizer step ")]
     return int(lines[-1].split()[4].rstrip(",")) if lines else None
 
@@ -624,7 +625,8 @@ def watch_and_kill(
     proc: TrainingProcess, run_dir: str | os.PathLike, plan: KillPlan, timeout: float = 300, poll_s: float = 0.0005
 ) -> KillRecord:
     """Poll the run's checkpoint folder every `poll_s` s and SIGKILL `proc` when `plan` says (11a); a `sigterm`
-    plan sends SIGTERM, a `sigint` one Ctrl-C (`TrainingProcess.interrupt`), and waits for the run to checkpoint and exit.
+    plan sends SIGTERM, a `sigint` one Ctrl-C (`TrainingProcess.interrupt`), and waits for the run to checkpoint
+    and exit.
 
     Also sets `proc.active_seconds`, the time from its first to its last checkpoint."""
     run_dir = Path(run_dir)

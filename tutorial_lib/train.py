@@ -31,6 +31,7 @@ from tutorial_lib.accel import (
     process_index,
     read_metrics,
 )
+from .accumulation import TinyCNN, loss_scale
 from tutorial_lib.checkpoints import (
     DiskFullError,
     RunFolderError,
@@ -59,6 +60,10 @@ from tutorial_lib.cli import (
     run_name,
     user_path,
 )
+from .core import StepTimer, UserError, count_training_flops, global_batch_size, in_notebook, peak_flops_for
+from .launching import follow_launcher, record_exit_status
+from .loading import EpochSeededDataset, build_datasets, build_loaders, gather_skips, seeded_subset
+from .optim import make_ema, param_groups
 from tutorial_lib.runs import (
     NonFiniteGuard,
     NonFiniteLossError,
@@ -72,12 +77,6 @@ from tutorial_lib.runs import (
     run_outputs,
     write_run_config,
 )
-
-from .accumulation import TinyCNN, loss_scale
-from .core import StepTimer, UserError, count_training_flops, global_batch_size, in_notebook, peak_flops_for
-from .launching import follow_launcher, record_exit_status
-from .loading import EpochSeededDataset, build_datasets, build_loaders, gather_skips, seeded_subset
-from .optim import make_ema, param_groups
 from .schedules import build_scheduler, num_optimizer_steps, resume_with_flags, scaled_lr
 from .sources import DataSource, embedded_data_path, resolve_data_source
 from .trackers import check_trackers, start_trackers
@@ -935,7 +934,8 @@ def add_run_and_data_flags(group, data) -> None:
         type=user_path,
         default=str(embedded_data_path()),
         help="class folders (train/ and val/), "
-        "parquet shards, a save_to_disk folder or a Hub id such as ILSVRC/imagenet-1k (07a) (default: the embedded CIFAR-10 subset)",
+        "parquet shards, a save_to_disk folder or a Hub id such as ILSVRC/imagenet-1k (07a) "
+        "(default: the embedded CIFAR-10 subset)",
     )
     add("--num_classes", type=number_flag(int, 2), default=None, help="inferred from the data; if given it must match")
     add("--model", type=model_name, default=V1["model"], help="torchvision model name, or 'tinycnn'")
@@ -1143,7 +1143,8 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of `tutorial-train` and `python -m tutorial_lib.train`: 00a's `cli_main`. A user error prints one
     line and exits 2, a NaN/Inf loss 3, no traceback (11a), said once per launch; SIGTERM/SIGUSR1 and Ctrl-C
     checkpoint and exit 143/138/130; a second Ctrl-C stops at once (130). Bugs keep their traceback. The status also
-    goes to `$TUTORIAL_EXIT_STATUS_FILE` when set (06c's `record_exit_status`): `accelerate launch` reports 1 for all."""
+    goes to `$TUTORIAL_EXIT_STATUS_FILE` when set (06c's `record_exit_status`):
+    `accelerate launch` reports 1 for all."""
     cli_main(
         get_args_parser(),
         run_command,

@@ -183,8 +183,10 @@ def center_crop_params(height: int, width: int, img_size: int, resize_size: int 
     new_h, new_w = (resize_size, new_long) if height <= width else (new_long, resize_size)
     top, left = int(round((new_h - img_size) / 2.0)), int(round((new_w - img_size) / 2.0))
     sy, sx = height / new_h, width / new_w
-    t, l = round(top * sy), round(left * sx)
-    return CropParams(t, l, min(height - t, max(1, round(img_size * sy))), min(width - l, max(1, round(img_size * sx))))
+    y0, x0 = round(top * sy), round(left * sx)
+    return CropParams(
+        y0, x0, min(height - y0, max(1, round(img_size * sy))), min(width - x0, max(1, round(img_size * sx)))
+    )
 
 
 def largest_dct_reduction(crop_height: int, crop_width: int, out_size: int) -> int:
