@@ -226,6 +226,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'tutorial_lib.cli.format_size': ('course_tools.html#format_size', 'tutorial_lib/cli.py'),
                                   'tutorial_lib.cli.get_args_parser': ('course_tools.html#get_args_parser', 'tutorial_lib/cli.py'),
                                   'tutorial_lib.cli.main': ('course_tools.html#main', 'tutorial_lib/cli.py'),
+                                  'tutorial_lib.cli.merge_stream_outputs': ( 'course_tools.html#merge_stream_outputs',
+                                                                             'tutorial_lib/cli.py'),
                                   'tutorial_lib.cli.model_name': ('course_tools.html#model_name', 'tutorial_lib/cli.py'),
                                   'tutorial_lib.cli.number_flag': ('course_tools.html#number_flag', 'tutorial_lib/cli.py'),
                                   'tutorial_lib.cli.one_line': ('course_tools.html#one_line', 'tutorial_lib/cli.py'),

@@ -20,7 +20,7 @@ from .core import SMOKE_ENV_VAR, UserError, environment_report, in_notebook
 __all__ = ['positive_int', 'non_negative_int', 'positive_float', 'non_negative_float', 'COURSE_NOTEBOOKS', 'number_flag',
            'OneLineParser', 'HelpFormatter', 'model_name', 'run_name', 'user_path', 'one_line', 'exit_code', 'cli_main',
            'run_on_user_files', 'as_flags', 'parse_overrides', 'format_size', 'Progress', 'config_path',
-           'course_notebooks', 'run_notebooks', 'get_args_parser', 'run_command', 'main']
+           'course_notebooks', 'merge_stream_outputs', 'run_notebooks', 'get_args_parser', 'run_command', 'main']
 
 # %% ../notebooks/00a_course_tools.ipynb #abf5a5d3
 def number_flag(
@@ -346,6 +346,32 @@ def course_notebooks(folder: str | os.PathLike = "notebooks") -> list[Path]:
     deepens (`00_…`), since "_" sorts before the letters."""
     return sorted(Path(folder).glob(COURSE_NOTEBOOKS))
 
+# %% ../notebooks/00a_course_tools.ipynb #a96a55ea
+def merge_stream_outputs(nb) -> int:
+    """Join each run of consecutive `stdout` (or `stderr`) outputs of a cell into one; return how many were joined.
+
+    Launched processes print a line in two writes, the text and then the newline, and Jupyter records each write
+    as an output of its own: on a page that shows each output as a block, every line would be followed by an empty
+    one. The text is kept exactly; only the pieces are joined."""
+    joined = 0
+    for cell in nb.get("cells", []):
+        merged = []
+        for output in cell.get("outputs", []):
+            previous = merged[-1] if merged else None
+            if (
+                output.get("output_type") == "stream"
+                and previous is not None
+                and previous.get("output_type") == "stream"
+                and previous.get("name") == output.get("name")
+            ):
+                previous["text"] = "".join(previous["text"]) + "".join(output["text"])
+                joined += 1
+            else:
+                merged.append(output)
+        if "outputs" in cell:
+            cell["outputs"] = merged
+    return joined
+
 # %% ../notebooks/00a_course_tools.ipynb #9fc6ac89
 def run_notebooks(
     paths: Iterable[str | os.PathLike], smoke: bool = False, timeout: float = 3600, clean: bool = True
@@ -376,6 +402,7 @@ def run_notebooks(
             seconds[path.name] = time.perf_counter() - start
             print(f"{path.name}: {seconds[path.name]:.0f} s ({'smoke' if smoke else 'full'} mode)", flush=True)
             if not smoke:
+                merge_stream_outputs(nb)
                 nbformat.write(nb, path)
     finally:
         os.environ.clear()
