@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from tutorial_lib import simple_train
-from tutorial_lib.core import free_port
+from tutorial_lib.core import free_port, linked_subset
 from tutorial_lib.sources import embedded_data_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,12 +29,7 @@ ALLOWED = {"torch", "torchvision", "accelerate", "torchmetrics", "wandb"}
 
 def subset(folder: Path, per_class_train: int, per_class_val: int) -> Path:
     """The first images of every class of the embedded data, linked into `folder` (train/ and val/)."""
-    for split, count in [("train", per_class_train), ("val", per_class_val)]:
-        for class_dir in sorted(p for p in (embedded_data_path() / split).iterdir() if p.is_dir()):
-            (folder / split / class_dir.name).mkdir(parents=True)
-            for image in sorted(class_dir.iterdir())[:count]:
-                (folder / split / class_dir.name / image.name).symlink_to(image)
-    return folder
+    return linked_subset(embedded_data_path(), folder, {"train": per_class_train, "val": per_class_val})
 
 
 def flags(**options) -> list[str]:

@@ -160,6 +160,21 @@ def test_committed_outputs_come_from_a_full_mode_run(nb_path):
     assert all(m.startswith("smoke mode: False") for m in modes), f"{nb_path.name}: outputs from smoke mode: {modes}"
 
 
+@pytest.mark.parametrize("nb_path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.name)
+def test_committed_outputs_hold_each_printed_run_in_one_block(nb_path):
+    """A line printed in pieces (text, then newline) by a launched process is one output, not a line followed by an
+    empty block: `tutorial-lib run-notebooks` joins consecutive pieces of the same stream."""
+    nb = json.loads(nb_path.read_text())
+    split = []
+    for i, cell in enumerate(nb["cells"]):
+        outputs = cell.get("outputs", [])
+        for before, after in zip(outputs, outputs[1:]):
+            if before.get("output_type") == after.get("output_type") == "stream" and before["name"] == after["name"]:
+                split.append(i)
+                break
+    assert not split, f"{nb_path.name}: cells {split} hold a stream in several outputs (run-notebooks joins them)"
+
+
 # Words of how this course is made, not of what it teaches: a learner reads every line.
 PROCESS_WORDS = re.compile(
     r"\b(the issue|issues? (asks?|says?)|acceptance|the lead|reviewers?|reviews?|closing note|"

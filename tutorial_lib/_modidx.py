@@ -262,6 +262,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'tutorial_lib.core.global_batch_size': ('introduction.html#global_batch_size', 'tutorial_lib/core.py'),
                                    'tutorial_lib.core.in_notebook': ('introduction.html#in_notebook', 'tutorial_lib/core.py'),
                                    'tutorial_lib.core.launch_state_probe': ('introduction.html#launch_state_probe', 'tutorial_lib/core.py'),
+                                   'tutorial_lib.core.linked_subset': ('introduction.html#linked_subset', 'tutorial_lib/core.py'),
                                    'tutorial_lib.core.mfu': ('introduction.html#mfu', 'tutorial_lib/core.py'),
                                    'tutorial_lib.core.peak_flops_for': ('introduction.html#peak_flops_for', 'tutorial_lib/core.py'),
                                    'tutorial_lib.core.peak_memory_bytes': ('introduction.html#peak_memory_bytes', 'tutorial_lib/core.py'),

@@ -23,10 +23,10 @@ import torch
 
 # %% auto #0
 __all__ = ['SMOKE_ENV_VAR', 'IMAGENET_TRAIN_IMAGES', 'RECIPE_EPOCHS', 'PEAK_BF16_TFLOPS', 'STATE_PROBE', 'smoke_mode',
-           'seed_everything', 'in_notebook', 'free_port', 'fork_safe', 'scratch_dir', 'count_training_flops',
-           'training_time_seconds', 'peak_flops_for', 'mfu', 'peak_memory_bytes', 'StepClock', 'StepTimer',
-           'global_batch_size', 'environment_report', 'bf16_supported', 'accelerate_cli', 'cpu_launch_config',
-           'read_process_states', 'launch_state_probe', 'UserError']
+           'seed_everything', 'in_notebook', 'free_port', 'fork_safe', 'scratch_dir', 'linked_subset',
+           'count_training_flops', 'training_time_seconds', 'peak_flops_for', 'mfu', 'peak_memory_bytes', 'StepClock',
+           'StepTimer', 'global_batch_size', 'environment_report', 'bf16_supported', 'accelerate_cli',
+           'cpu_launch_config', 'read_process_states', 'launch_state_probe', 'UserError']
 
 # %% ../notebooks/00_introduction.ipynb #a4f4ab1f
 SMOKE_ENV_VAR = "TUTORIAL_SMOKE"
@@ -100,6 +100,20 @@ def scratch_dir(prefix: str) -> Path:
 
     atexit.register(remove)
     return path
+
+# %% ../notebooks/00_introduction.ipynb #7fb27b941602401d91542211134fc71a
+def linked_subset(source: str | os.PathLike, folder: str | os.PathLike, per_class: dict[str, int]) -> Path:
+    """The first `per_class[split]` images of every class folder of `source/<split>/`, linked into `folder`.
+
+    A small copy of a dataset in ImageFolder layout that takes no disk space: smoke mode and the tests train on
+    it with the same code as on the whole dataset."""
+    source, folder = Path(source), Path(folder)
+    for split, count in per_class.items():
+        for class_dir in sorted(p for p in (source / split).iterdir() if p.is_dir()):
+            (folder / split / class_dir.name).mkdir(parents=True)
+            for image in sorted(class_dir.iterdir())[:count]:
+                (folder / split / class_dir.name / image.name).symlink_to(image)
+    return folder
 
 # %% ../notebooks/00_introduction.ipynb #68b21034
 IMAGENET_TRAIN_IMAGES = 1_281_167
