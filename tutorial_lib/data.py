@@ -15,6 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tutorial_lib.accel import (
+    MissingPathError,
+)
 from tutorial_lib.cli import (
     HelpFormatter,
     OneLineParser,
@@ -23,6 +26,9 @@ from tutorial_lib.cli import (
     format_size,
     positive_float,
     run_on_user_files,
+)
+from tutorial_lib.core import (
+    in_notebook,
 )
 from tutorial_lib.sources import (
     IMG_EXTENSIONS,
@@ -37,9 +43,6 @@ from tutorial_lib.sources import (
     require_datasets,
     scan_image_folder,
 )
-
-from .accel import MissingPathError
-from .core import in_notebook
 
 # %% auto #0
 __all__ = ['SHARD_MB', 'ILSVRC2012_COUNTS', 'read_val_mapping', 'prepare_val', 'hub_features', 'plan_shards', 'shard_table',
