@@ -1,7 +1,7 @@
 """Tests of tutorial_lib.timing (10) and tutorial_lib.bench (10a): MFU arithmetic, honest timing, step-time accounting,
 the loop-overhead harness, and the GPU benchmark's code path on CPU (and its refusal without CUDA).
 The measuring tools and fast-recipe helpers that the training script uses (StepTimer, MFU, FLOP count,
-peak table, progressive_resolution, resize_batch, make_ema) are exported by notebook 08a (tutorial_lib.train);
+peak table, progressive_resolution, resize_batch, make_ema) are exported by notebook 08b (tutorial_lib.train);
 notebook 10 measures with them, so their tests import them from there."""
 
 import copy

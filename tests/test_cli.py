@@ -266,7 +266,8 @@ def test_course_notebooks_sort_each_deep_dive_right_after_its_notebook(tmp_path)
         "01_gradient_accumulation",
         "00a_course_tools",
         "00_introduction",
-        "08a_production_script",
+        "08b_production_script",
+        "08a_flags_and_checks",
         "08_training_script",
         "scratch",
         "Untitled",
@@ -277,7 +278,8 @@ def test_course_notebooks_sort_each_deep_dive_right_after_its_notebook(tmp_path)
         "00a_course_tools",
         "01_gradient_accumulation",
         "08_training_script",
-        "08a_production_script",
+        "08a_flags_and_checks",
+        "08b_production_script",
         "10_performance",
     ]
     course = [p.name for p in course_notebooks(Path(__file__).resolve().parents[1] / "notebooks")]

@@ -252,7 +252,7 @@ def test_training_script_help_prints_one_default_per_flag():
     `(default: None)` after that, and a help text must not give a second default in another form."""
     import argparse
 
-    from tutorial_lib.train import get_args_parser
+    from tutorial_lib.flags import get_args_parser
 
     parser = get_args_parser()
     blocks = option_help_blocks(parser.format_help())

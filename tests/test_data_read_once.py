@@ -8,8 +8,9 @@ import pytest
 from train_helpers import TINY
 
 from tutorial_lib import sources
+from tutorial_lib.flags import default_args
 from tutorial_lib.loading import build_datasets
-from tutorial_lib.train import default_args, train
+from tutorial_lib.train import train
 
 
 @pytest.fixture

@@ -164,10 +164,10 @@ def command_line_defaults() -> dict[str, object]:
     """`prog --flag` -> default, for every flag of every command line the library ships (subcommands included)."""
     import argparse
 
-    from tutorial_lib import bench, data, databench, stress, train
+    from tutorial_lib import bench, data, databench, flags, stress
 
     parsers = [
-        train.get_args_parser(),
+        flags.get_args_parser(),
         bench.get_args_parser(),
         stress.get_args_parser(),
         data.get_args_parser(),

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tutorial_lib import flags
 from tutorial_lib import train as T
 from tutorial_lib.accel import read_metrics
 from tutorial_lib.bench import decode_on_side_stream
@@ -82,7 +83,7 @@ def test_nvjpeg_decode_leaves_memory_that_queued_kernels_still_read_intact():
 
 @needs_device
 def test_training_script_runs_bf16_channels_last_ema_and_progressive_resizing_on_the_device(tmp_path):
-    args = T.default_args(
+    args = flags.default_args(
         model="resnet18",
         img_size=32,
         epochs=2,
@@ -119,7 +120,7 @@ def test_training_script_runs_bf16_channels_last_ema_and_progressive_resizing_on
 
 @needs_device
 def test_training_script_compiles_with_inductor_on_the_device(tmp_path):
-    args = T.default_args(
+    args = flags.default_args(
         model="tinycnn",
         img_size=16,
         epochs=1,
@@ -160,7 +161,7 @@ def test_training_steps_never_wait_for_the_gpu(tmp_path):
     (data copy, normalization, forward, backward, optimizer, scheduler, metrics, EMA) waits for the GPU."""
 
     def epoch_of(steps: int):
-        args = T.default_args(
+        args = flags.default_args(
             model="resnet18",
             img_size=32,
             epochs=1,

@@ -1,4 +1,4 @@
-"""Signals and exit statuses on every launch path of `tutorial_lib.train` (notebooks 06b, 06c, 08a, 11).
+"""Signals and exit statuses on every launch path of `tutorial_lib.train` (notebooks 06b, 06c, 08b, 11).
 
 SIGTERM to a one-process `accelerate launch` (plain subprocess or torchrun's agent), to a 2-process one and to a
 process running `notebook_launcher` must reach the training, which checkpoints and stops, and the resumed run must
@@ -144,7 +144,8 @@ def test_sigterm_to_a_two_process_accelerate_launch_checkpoints_exits_143_and_re
 NOTEBOOK_LAUNCH = textwrap.dedent("""
     import json, sys
     from tutorial_lib.launching import launch_with_timeout
-    from tutorial_lib.train import default_args, train
+    from tutorial_lib.flags import default_args
+    from tutorial_lib.train import train
 
     def run(options):
         final = train(default_args(**options))

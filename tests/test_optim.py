@@ -22,7 +22,7 @@ def test_default_groups_decay_every_resnet50_tensor_like_the_v1_recipe():
 
 def test_param_groups_defaults_equal_the_training_script_defaults():
     # The script passes its flags through; its defaults (None) must mean "decay like --weight_decay" here too.
-    from tutorial_lib.train import default_args
+    from tutorial_lib.flags import default_args
 
     args = default_args()
     assert args.norm_weight_decay is None and args.bias_weight_decay is None

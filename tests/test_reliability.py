@@ -233,7 +233,7 @@ def test_resume_from_another_models_checkpoint_is_refused(tmp_path, data, finish
     sig = json.loads((ckpt / MANIFEST).read_text())["model_signature"]
     done = cli(tmp_path, data, model="resnet18", resume_from_checkpoint=ckpt)
     from tutorial_lib.checkpoints import model_signature
-    from tutorial_lib.train import build_model
+    from tutorial_lib.flags import build_model
 
     other = model_signature(build_model("resnet18", 3))
     assert_user_error(
@@ -741,15 +741,16 @@ def test_fp16_on_a_cpu_is_refused(tmp_path, data):
     ],
 )
 def test_impossible_flag_values_are_refused_before_any_data_is_read(tmp_path, options, message, monkeypatch):
+    from tutorial_lib import flags
     from tutorial_lib import train as T
 
     def no_data(args):
         raise AssertionError("the data was read before the flags were checked")
 
     monkeypatch.setattr(T, "load_data", no_data)
-    with pytest.raises(T.BadFlagError) as refused:
+    with pytest.raises(flags.BadFlagError) as refused:
         T.train(
-            T.default_args(
+            flags.default_args(
                 **{**TINY, "path_to_data": str(tmp_path), "working_directory": str(tmp_path / "runs"), **options}
             )
         )

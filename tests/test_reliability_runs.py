@@ -297,15 +297,16 @@ def test_a_damaged_config_json_is_one_line_naming_it_and_the_checkpoints_still_r
 def test_image_sizes_the_model_cannot_take_are_refused_before_any_data_is_read(
     tmp_path, options, flag, size, monkeypatch
 ):
+    from tutorial_lib import flags
     from tutorial_lib import train as T
 
     monkeypatch.setattr(T, "load_data", lambda args: pytest.fail("the data was read before the sizes were checked"))
     with pytest.raises(
-        T.BadFlagError,
+        flags.BadFlagError,
         match=re.escape(f"{flag} {size} is too small for --model tinycnn: the smallest image it accepts is 4 px"),
     ):
         T.train(
-            T.default_args(
+            flags.default_args(
                 **{**TINY, "path_to_data": str(tmp_path), "working_directory": str(tmp_path / "runs"), **options}
             )
         )
@@ -317,7 +318,7 @@ def test_image_sizes_the_model_cannot_take_are_refused_before_any_data_is_read(
 
 def test_the_smallest_size_is_the_models_own_and_right(tmp_path, data):
     """Computed from the model, not a table: checked against real forward passes on the CPU for two models."""
-    from tutorial_lib.train import build_model, meta_model, smallest_input_size
+    from tutorial_lib.flags import build_model, meta_model, smallest_input_size
 
     for name, size in [("tinycnn", 4), ("squeezenet1_0", None)]:
         smallest = smallest_input_size(meta_model(name))
@@ -439,7 +440,7 @@ def test_a_disk_that_fills_at_the_final_save_is_one_line_in_sensible_units(tmp_p
 
 
 def test_the_derived_warmup_is_capped_in_a_short_run_and_said(tmp_path):
-    from tutorial_lib.train import check_args, default_args, resolve_learning_rate
+    from tutorial_lib.flags import check_args, default_args, resolve_learning_rate
 
     args = resolve_learning_rate(default_args(batch_size=1024, epochs=1, working_directory=str(tmp_path)), 1)
     assert args.lr_warmup_epochs == 0.25 and args.lr_warmup_derived

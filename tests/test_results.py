@@ -29,9 +29,10 @@ threads = int(sys.argv[1])
 torch.set_num_threads(threads)
 from tutorial_lib.accel import read_metrics
 from tutorial_lib.checkpoints import latest_checkpoint
+from tutorial_lib.flags import build_model, default_args
 from tutorial_lib.launching import launch_with_timeout
 from tutorial_lib.parallel import longest_gradient_sum, summation_tolerance
-from tutorial_lib.train import build_model, default_args, train
+from tutorial_lib.train import train
 
 work = Path(tempfile.mkdtemp())
 compare = dict(model="tinycnn", img_size=32, learning_rate=0.05, lr_scheduler="cosine", num_workers=0, cpu=True,

@@ -1,6 +1,6 @@
 """The one-file training script `tutorial_lib.simple_train` (notebook 08): it stands alone (no import of the course,
 at most 350 lines), keeps the video's flags, runs on 1 process and on 2 (gloo), resumes bit for bit, and trains as
-well as the production script `tutorial-train` (08a).
+well as the production script `tutorial-train` (08b).
 
 Runs are small: ResNet18 or MobileNetV3 (small) at 16-32 px on a few hundred images of the embedded dataset, linked
 into a folder of the same layout."""
@@ -78,7 +78,7 @@ def test_module_is_at_most_350_lines():
 
 def test_every_fixed_line_names_a_notebook_of_the_course():
     fixes = re.findall(r"# fixed \((\w+)\):", SOURCE.read_text())
-    assert len(fixes) == 12, "one line per bug of the video's script (08a §13 lists twelve)"
+    assert len(fixes) == 12, "one line per bug of the video's script (08b §11 lists twelve)"
     for number in set(fixes):
         assert list((ROOT / "notebooks").glob(f"{number}_*.ipynb")), f"no notebook {number} for a fixed line"
 
@@ -343,7 +343,8 @@ TOLERANCE = 7.0
 
 @pytest.mark.slow
 def test_trains_as_well_as_the_production_script(tmp_path):
-    from tutorial_lib.train import default_args, train
+    from tutorial_lib.flags import default_args
+    from tutorial_lib.train import train
 
     data = subset(tmp_path / "data", 100, 40)  # 1,000 training and 400 validation images
     simple, production = [], []

@@ -32,6 +32,7 @@ import tutorial_lib.data as data_module
 from tutorial_lib.checkpoints import latest_checkpoint
 from tutorial_lib.data import from_archives, main, read_devkit, verify_unpacked, write_shards
 from tutorial_lib.databench import format_data_benchmark, run_data_benchmark
+from tutorial_lib.flags import default_args
 from tutorial_lib.loading import build_datasets
 from tutorial_lib.sources import (
     DataLayoutError,
@@ -42,7 +43,7 @@ from tutorial_lib.sources import (
     resolve_data_source,
     scan_image_folder,
 )
-from tutorial_lib.train import default_args, train
+from tutorial_lib.train import train
 
 EMBEDDED = embedded_data_path()
 # The Arrow schema of ILSVRC/imagenet-1k's parquet files, written out by hand (not taken from our code)
@@ -187,7 +188,7 @@ def test_parquet_samples_match_the_folders_sample_by_sample(hub_parquet):
     assert pq_train.targets == dir_train.targets and pq_val.targets == dir_val.targets
     for ds_pq, ds_dir in [(pq_train, dir_train), (pq_val, dir_val)]:
         for i in range(0, len(ds_dir), 131):
-            random.seed(i)  # the random state the training script sets for each sample (08a)
+            random.seed(i)  # the random state the training script sets for each sample (08b)
             x_pq, y_pq = ds_pq[i]
             random.seed(i)
             x_dir, y_dir = ds_dir[i]

@@ -22,17 +22,16 @@ from tutorial_lib.accel import read_metrics
 from tutorial_lib.checkpoints import latest_checkpoint, list_checkpoints
 from tutorial_lib.cli import config_path
 from tutorial_lib.core import free_port
-from tutorial_lib.sources import embedded_data_path
-from tutorial_lib.train import (
+from tutorial_lib.flags import (
     RECIPE_V1,
     BadFlagError,
-    build_training_scheduler,
     check_args,
     default_args,
     get_args_parser,
     resolve_learning_rate,
-    train,
 )
+from tutorial_lib.sources import embedded_data_path
+from tutorial_lib.train import build_training_scheduler, train
 
 pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
 

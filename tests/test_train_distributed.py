@@ -16,7 +16,8 @@ from train_helpers import ROOT, TINY, as_flags, bitwise_equal, launch, max_weigh
 
 from tutorial_lib.accel import read_metrics
 from tutorial_lib.core import free_port
-from tutorial_lib.train import default_args, train
+from tutorial_lib.flags import default_args
+from tutorial_lib.train import train
 
 pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
 

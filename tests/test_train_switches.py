@@ -1,5 +1,5 @@
-"""The training script's fast-recipe switches and step-time accounting (issue 6; the helpers are exported
-by notebook 08a, section 5, and measured in notebook 10).
+"""The training script's fast-recipe switches and step-time accounting (issue 6; the switches are flags
+of notebook 08a, used by the training script of notebook 08b, and measured in notebook 10).
 
 Each switch is off by default, runs on CPU, and changes what it should; every epoch's row in
 metrics.jsonl carries the StepTimer numbers."""
@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tutorial_lib import accel
+from tutorial_lib import accel, flags
 from tutorial_lib import train as T
 from tutorial_lib.accel import read_metrics
 from tutorial_lib.checkpoints import latest_checkpoint
@@ -36,7 +36,7 @@ BASE = dict(
 
 def run(tmp_path, name, **options):
     """Train a tiny model on the embedded data; return the final metrics and the metrics.jsonl rows."""
-    final = T.train(T.default_args(**{**BASE, **options}, working_directory=str(tmp_path), experiment_name=name))
+    final = T.train(flags.default_args(**{**BASE, **options}, working_directory=str(tmp_path), experiment_name=name))
     return final, read_metrics(tmp_path / name / "metrics.jsonl")
 
 
@@ -44,7 +44,7 @@ def run(tmp_path, name, **options):
 def spy(monkeypatch):
     """The model train() builds, and (training?, H×W, channels_last?) of every forward pass of that model."""
     seen = {"model": None, "calls": []}
-    build = T.build_model
+    build = flags.build_model
 
     def build_and_watch(name, num_classes, *options):
         model = build(name, num_classes, *options)
@@ -69,7 +69,7 @@ def spy(monkeypatch):
 
 
 def test_every_switch_is_off_by_default_and_a_default_run_logs_step_time_accounting(tmp_path, spy):
-    args = T.default_args()
+    args = flags.default_args()
     assert not (args.channels_last or args.compile or args.ema) and args.label_smoothing == 0.0
     assert args.min_res is None and args.max_res is None and args.val_img_size is None
     _, rows = run(tmp_path, "plain")
@@ -84,7 +84,7 @@ def test_every_switch_is_off_by_default_and_a_default_run_logs_step_time_account
 
 def test_mfu_is_images_per_second_times_flops_at_the_resolution_over_the_peak(tmp_path):
     _, rows = run(tmp_path, "mfu", peak_tflops=0.01)
-    flops = count_training_flops(T.build_model("tinycnn", 10), 16)["train"]
+    flops = count_training_flops(flags.build_model("tinycnn", 10), 16)["train"]
     for r in rows:
         per_process_ips = r["train_count"] / (r["data_time"] + r["compute_time"])
         assert r["mfu"] == pytest.approx(per_process_ips * flops / 0.01e12, rel=1e-6)
@@ -171,7 +171,7 @@ def test_progressive_resizing_trains_at_the_schedule_and_evaluates_at_val_img_si
     ],
 )
 def test_impossible_switch_values_are_refused_naming_the_flag(tmp_path, options, flag):
-    with pytest.raises(T.BadFlagError, match=flag):
+    with pytest.raises(flags.BadFlagError, match=flag):
         run(tmp_path, "bad", **options)
 
 

@@ -48,7 +48,7 @@ class MetricsLogger:
     """Append one JSON object per `log` call to a JSON-lines file, on the main process only.
 
     The local record of a run (`metrics.jsonl`), independent of W&B; taught in 06, written by the
-    training script (08a) and plotted in 09. Pass the `accelerator` if you have one; without it
+    training script (08b) and plotted in 09. Pass the `accelerator` if you have one; without it
     `is_main_process` finds rank 0."""
 
     def __init__(self, path: str | os.PathLike, accelerator=None):
@@ -86,7 +86,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 
 def format_metrics_table(rows: list[dict]) -> str:
-    """Rows of `metrics.jsonl` as a fixed-width text table (what the training script prints, 08a)."""
+    """Rows of `metrics.jsonl` as a fixed-width text table (what the training script prints, 08b)."""
     head = (
         f"{'epoch':>5} {'train_loss':>10} {'train_top1':>10} {'val_loss':>9} {'val_top1':>8} {'val_top5':>8} "
         f"{'lr':>9} {'img/s':>8} (all processes)"
@@ -165,10 +165,10 @@ def build_accelerator(
     log_with: list[str] | None = None,
     project_dir: str | os.PathLike | None = None,
 ):
-    """The `Accelerator` of a training run (08a, and 10a's benchmark of its step).
+    """The `Accelerator` of a training run (08b, and 10a's benchmark of its step).
 
     Forgets a previous `Accelerator` of this process first (several runs in one notebook). Steps the
-    scheduler only when told (`step_scheduler_with_optimizer=False`, 05/08a), copies batches to the GPU
+    scheduler only when told (`step_scheduler_with_optimizer=False`, 05/08b), copies batches to the GPU
     without waiting. Says at start what would otherwise happen silently: it refuses fp16 on a CPU
     (Accelerate would run fp32), `accelerate launch --cpu --num_processes 2` (one process, not 2) and
     launched processes that did not join one group, and notes a CPU run that did not ask for the CPU."""
@@ -341,7 +341,7 @@ def _rates(state: dict) -> dict:
 
 def merge_metrics(a: dict, b: dict) -> dict:
     """Combine two `ClassificationMetrics.compute()` results of disjoint samples, weighted by count
-    (the two parts of an epoch interrupted by a checkpoint, 08a)."""
+    (the two parts of an epoch interrupted by a checkpoint, 08b)."""
     if not a or not a.get("count"):
         return dict(b)
     if not b or not b.get("count"):

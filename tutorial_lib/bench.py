@@ -29,7 +29,14 @@ from tutorial_lib.cli import (
     positive_float,
     positive_int,
 )
-from .core import count_training_flops, in_notebook, mfu, peak_flops_for, peak_memory_bytes, seed_everything
+from tutorial_lib.core import (
+    count_training_flops,
+    in_notebook,
+    mfu,
+    peak_flops_for,
+    peak_memory_bytes,
+    seed_everything,
+)
 from tutorial_lib.timing import (
     alternate,
     make_bare_step,
@@ -39,7 +46,8 @@ from tutorial_lib.timing import (
     paired_ratios,
     time_windows,
 )
-# The training script (08a, which builds the models), 07's loaders, torchvision and accelerate are imported inside the
+
+# The training script (08b), its model builder (08a), 07's loaders, torchvision and accelerate are imported inside the
 # functions that use them: `python -m tutorial_lib.bench --help` then costs little more than importing torch.
 
 # %% auto #0
@@ -97,14 +105,15 @@ def make_our_step(
     max_grad_norm: float = 0.0,
     seed: int = 0,
 ) -> Callable[[int], None]:
-    """A function running one epoch of `steps` micro-batches of the training script's `train_one_epoch` (08a).
+    """A function running one epoch of `steps` micro-batches of the training script's `train_one_epoch` (08b).
 
     The run is made by the script's own builders (`build_accelerator`, `setup_run`: Accelerator, 04's
     parameter groups, 05's scheduler, prepared by Accelerate); only the data is `images`/`labels`,
     served again and again by 07's seeded loader. A `max_grad_norm` > 0 turns clipping on."""
     from tutorial_lib.accel import build_accelerator
+    from tutorial_lib.flags import default_args, resolve_learning_rate
     from tutorial_lib.loading import build_loaders
-    from tutorial_lib.train import default_args, resolve_learning_rate, setup_run, train_one_epoch
+    from tutorial_lib.train import setup_run, train_one_epoch
 
     batch_size = len(images)
     args = default_args(
@@ -166,8 +175,8 @@ def run_loop_benchmark(
 ) -> dict:
     """Our training step vs a bare loop, alternating in one process; returns medians and `overhead_ratio`.
 
-    `ours="train"`: one epoch of 08a's `train_one_epoch` per round; `ours="bare"`: a second bare loop (A/A test)."""
-    from tutorial_lib.train import build_model
+    `ours="train"`: one epoch of 08b's `train_one_epoch` per round; `ours="bare"`: a second bare loop (A/A test)."""
+    from tutorial_lib.flags import build_model
 
     if ours not in {"train", "bare"}:
         raise ValueError(f"ours must be 'train' (the training script's step) or 'bare' (A/A test), got {ours!r}")
@@ -261,7 +270,7 @@ def build_synthetic_run(
     seed: int = 0,
 ) -> dict:
     """Model, optimizer, training step and a fixed random batch for one row of `SYNTHETIC_CONFIGS`."""
-    from tutorial_lib.train import build_model
+    from tutorial_lib.flags import build_model
 
     if config not in SYNTHETIC_CONFIGS:
         raise ValueError(f"unknown config {config!r}; choose from {list(SYNTHETIC_CONFIGS)}")
@@ -738,7 +747,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         "--ours",
         choices=["train", "bare"],
         default="train",
-        help="'train': the training script's step (08a); 'bare': an A/A test of the harness",
+        help="'train': the training script's step (08b); 'bare': an A/A test of the harness",
     )
     loop.set_defaults(func=_cmd_loop)
 

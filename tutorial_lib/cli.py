@@ -254,7 +254,7 @@ class Progress:
 
     `update(n)`, `set_postfix(**values)` (shown on the bar, or at the end of the next line) and `close()`, as
     tqdm. `unit="B"` counts bytes (MB, GB, MB/s); `summary=True` ends with a line of how much in how long. Taught
-    in 00a; the training script (08a) shows one per epoch, the data tools (07b) one per job."""
+    in 00a; the training script (08b) shows one per epoch, the data tools (07b) one per job."""
 
     def __init__(
         self,
@@ -327,7 +327,7 @@ class Progress:
 
 # %% ../notebooks/00a_course_tools.ipynb #1dfe414a
 def config_path(name: str) -> Path:
-    """Path of an accelerate config or SLURM script shipped in `tutorial_lib/configs/` (launch commands in 08a, 12)."""
+    """Path of an accelerate config or SLURM script shipped in `tutorial_lib/configs/` (launch commands in 08b, 12)."""
     from importlib.resources import files
 
     folder = Path(str(files("tutorial_lib") / "configs"))

@@ -88,7 +88,7 @@ def fork_safe(fn):
 def scratch_dir(prefix: str) -> Path:
     """A new temporary folder that is deleted when this Python process (the notebook's kernel) exits.
 
-    Notebooks 08, 08a and 09 write checkpoints of real ResNet18 runs, hundreds of MB; without this every
+    Notebooks 08, 08b and 09 write checkpoints of real ResNet18 runs, hundreds of MB; without this every
     run of a notebook would leave them in /tmp until the disk is full. Only the process that made the
     folder deletes it: a forked child (a launched worker, a data loader worker) that exits leaves it."""
     path = Path(tempfile.mkdtemp(prefix=prefix))
@@ -127,7 +127,7 @@ def count_training_flops(model: torch.nn.Module, img_size: int = 224, batch_size
     convolution (what MFU figures use). It runs on a copy of the model on PyTorch's *meta* device
     (shapes, no data): nothing is computed, the model (weights, BatchNorm statistics, gradients) is
     untouched, and it works for a model on any device, wrapped in DDP or `torch.compile` or not.
-    Taught in 00; the training script counts its MFU with it (08a, 10)."""
+    Taught in 00; the training script counts its MFU with it (08b, 10)."""
     import copy
 
     from accelerate.utils import extract_model_from_parallel
@@ -258,7 +258,7 @@ class StepClock:
 # %% ../notebooks/00_introduction.ipynb #7f565a60
 class StepTimer(StepClock):
     """Per-epoch accounting of a training loop: `StepClock`'s time waiting for data vs computing, and images/s,
-    peak memory and MFU. Taught in 00; the training script (08a) keeps one per epoch and notebook 10 measures
+    peak memory and MFU. Taught in 00; the training script (08b) keeps one per epoch and notebook 10 measures
     with it."""
 
     def __init__(

@@ -15,7 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .accel import MissingPathError
+from tutorial_lib.accel import (
+    MissingPathError,
+)
 from tutorial_lib.cli import (
     HelpFormatter,
     OneLineParser,
@@ -25,7 +27,9 @@ from tutorial_lib.cli import (
     positive_float,
     run_on_user_files,
 )
-from .core import in_notebook
+from tutorial_lib.core import (
+    in_notebook,
+)
 from tutorial_lib.sources import (
     IMG_EXTENSIONS,
     OFFICIAL_ARCHIVES,

@@ -308,7 +308,7 @@ class EpochSeededDataset(Dataset):
     """Wrap a dataset so sample `i` of epoch `e` is augmented with its own seed `(seed, e, i)`.
 
     Makes augmentation independent of batch size, process count, worker count and resumes (07, used
-    by 08a). The epoch lives in shared memory so `set_epoch` reaches persistent workers too."""
+    by 08b). The epoch lives in shared memory so `set_epoch` reaches persistent workers too."""
 
     def __init__(self, dataset: Dataset, seed: int = 0):
         self.dataset = dataset

@@ -52,7 +52,7 @@ def param_groups(
     Returns `[{"params": [...], "weight_decay": x, "name": ...}]` for "weight", "norm" and "bias" (empty
     groups dropped), ready for `torch.optim.SGD(groups, lr=..., momentum=...)`. `None` (the default) for
     `norm_weight_decay` or `bias_weight_decay` means `weight_decay`: every parameter decayed, like
-    torchvision's V1 recipe and the training script (08a); pass 0.0 to exempt them. Every trainable parameter
+    torchvision's V1 recipe and the training script (08b); pass 0.0 to exempt them. Every trainable parameter
     is in exactly one group; frozen ones are left out. Taught in 04."""
     decays = {
         "weight": ("weight_decay", weight_decay),
@@ -107,7 +107,7 @@ def make_ema(model: nn.Module, decay: float = 0.9999) -> ModelEMA:
     """An exponential moving average of `model` (weights AND BatchNorm buffers), on the model's device.
 
     Call `ema.update_parameters(model)` after every optimizer step; evaluate `ema` like a model.
-    Wrappers (DDP, `torch.compile`) are looked through. Used by the training script's `--ema` (08a)."""
+    Wrappers (DDP, `torch.compile`) are looked through. Used by the training script's `--ema` (08b)."""
     if not 0.0 < decay < 1.0:
         raise ValueError(f"ema decay must be in (0, 1), got {decay}")
     from accelerate.utils import extract_model_from_parallel

@@ -21,7 +21,9 @@ from tutorial_lib.accumulation import (
     timed_forward_backward,
     toy_batch,
 )
-from .core import fork_safe
+from tutorial_lib.core import (
+    fork_safe,
+)
 
 # %% auto #0
 __all__ = ['ZERO_STAGES', 'ddp_gradient_worker', 'summation_tolerance', 'longest_gradient_sum', 'run_ddp_gradient_check',

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-from .accel import is_main_process
+from tutorial_lib.accel import (
+    is_main_process,
+)
 from tutorial_lib.checkpoints import (
     DiskFullError,
     RunFolderError,
@@ -25,7 +27,9 @@ from tutorial_lib.checkpoints import (
     format_bytes,
     latest_checkpoint,
 )
-from .core import UserError
+from tutorial_lib.core import (
+    UserError,
+)
 
 # %% auto #0
 __all__ = ['RUN_LOCK', 'RUN_OUTPUTS', 'RunLock', 'run_outputs', 'check_writable', 'claim_run_folder', 'write_run_config',

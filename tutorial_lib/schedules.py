@@ -138,7 +138,7 @@ def move_schedule(scheduler: LRScheduler, step: int, base_lrs: list[float] | Non
     """Put a `build_scheduler` schedule at optimizer step `step`, with new peak LRs `base_lrs` if given.
 
     The optimizer's LRs become what `LambdaLR` computes there; a resumed run whose layout or learning
-    rate changed calls it (08a)."""
+    rate changed calls it (08b)."""
     if base_lrs is not None:
         scheduler.base_lrs = list(base_lrs)
     scheduler.last_epoch = int(step)

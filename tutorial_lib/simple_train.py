@@ -55,7 +55,7 @@ def load_data(args) -> tuple:
     normalize = transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])  # ImageNet's mean and std
     crop = transforms.RandomResizedCrop(args.img_size, scale=(args.min_crop_scale, 1.0))
     train_tf = transforms.Compose([crop, transforms.RandomHorizontalFlip(), transforms.ToTensor(), normalize])
-    # fixed (08a): the video resized to a 256 x 256 square, squashing every photo that is not; V1 resizes the short side
+    # fixed (08b): the video resized to a 256 x 256 square, squashing every photo that is not; V1 resizes the short side
     resize = transforms.Resize(args.img_size * 256 // 224)
     val_tf = transforms.Compose([resize, transforms.CenterCrop(args.img_size), transforms.ToTensor(), normalize])
     root = Path(args.path_to_data)
@@ -69,7 +69,7 @@ NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)  # BatchNor
 def build_model(name: str, num_classes: int, zero_init_residual: bool = False) -> nn.Module:
     """A torchvision classifier, freshly initialised, with a head of `num_classes` outputs."""
     extra = {"zero_init_residual": True} if zero_init_residual else {}  # ResNets only: each block starts as identity
-    # fixed (08a): the video put an nn.Linear(512, ...) head on ResNet50, whose features have 2048 channels (7eb6ccb)
+    # fixed (08b): the video put an nn.Linear(512, ...) head on ResNet50, whose features have 2048 channels (7eb6ccb)
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **extra)
 
 
@@ -179,7 +179,7 @@ def end_epoch(accelerator, state, args, run_dir: Path, row: dict) -> None:
     accelerator.print(" | ".join(f"{key} {value:.4g}" for key, value in row.items()), flush=True)
     if accelerator.is_main_process:  # the whole history each epoch: after a resume each epoch is in it once
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in state.history))
-    # fixed (08a): the video saved when epoch % interval == 0: never the last epochs, nor the end of the run
+    # fixed (08b): the video saved when epoch % interval == 0: never the last epochs, nor the end of the run
     if state.epoch % args.save_checkpoint_interval == 0 or state.epoch == args.epochs:
         save_checkpoint(accelerator, state, run_dir)
 
@@ -220,7 +220,7 @@ def build_loaders(parser, args) -> tuple:
     # `order` also makes the loader's own draws: the process's random state, which dropout uses, is left alone
     sampler = RandomSampler(train_ds, generator=order)
     train_loader = DataLoader(train_ds, sampler=sampler, generator=order, drop_last=True, **options)
-    # fixed (08a): the video shuffled the validation set too: a different order at every evaluation
+    # fixed (08b): the video shuffled the validation set too: a different order at every evaluation
     return train_ds, order, train_loader, DataLoader(val_ds, shuffle=False, **options)
 
 # %% ../notebooks/08_training_script.ipynb #3a0f61e7
@@ -229,7 +229,7 @@ def start_run(accelerator, args, run_dir: Path, checkpoint: Path | None) -> RunS
     state = RunState()
     accelerator.register_for_checkpointing(state)  # save_state and load_state carry it with the model and optimizer
     if checkpoint is not None:
-        # fixed (08a): the video restarted at the epoch in the folder's name (training it again) and began a new W&B run
+        # fixed (08b): the video restarted at the epoch in the folder's name (training it again) and began a new W&B run
         accelerator.load_state(checkpoint)
         accelerator.print(f"resumed from {checkpoint}: epoch {state.epoch}, {state.batches_done} batches into it")
     if accelerator.is_main_process:
@@ -312,7 +312,7 @@ def add_video_flags(add) -> None:
     add("--img_size", type=positive, default=224, help="training crop; validation resizes to img_size*256/224, crops")
     add("--num_workers", type=int, default=4, help="data-loading processes per training process")
     add("--resume_from_checkpoint", default=None, help="a checkpoint folder, or 'latest' (a fresh start if none yet)")
-    # fixed (08a): the video's README passed --warmup_epochs, a flag its parser did not have: both names work here
+    # fixed (08b): the video's README passed --warmup_epochs, a flag its parser did not have: both names work here
     add("--lr_warmup_epochs", "--warmup_epochs", type=float, default=0.0, help="linear warmup, in epochs")
 
 # %% ../notebooks/08_training_script.ipynb #af638bb9

@@ -39,7 +39,7 @@ class DataLayoutError(UserError, ValueError):
 def embedded_data_path() -> Path:
     """Folder of the embedded dataset: `cifar10_small/{train,val}/<class>/*.jpg` inside the package.
 
-    5,000 CIFAR-10 JPEGs (see its README.md); the default data of the training script (08a)."""
+    5,000 CIFAR-10 JPEGs (see its README.md); the default data of the training script (08b)."""
     from importlib.resources import files
 
     path = Path(str(files("tutorial_lib") / "assets" / "cifar10_small"))

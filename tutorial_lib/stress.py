@@ -22,7 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoints import sha256_file
+from tutorial_lib.checkpoints import (
+    sha256_file,
+)
 from tutorial_lib.cli import (
     HelpFormatter,
     OneLineParser,
@@ -32,8 +34,15 @@ from tutorial_lib.cli import (
     non_negative_int,
     positive_int,
 )
-from .core import UserError, free_port, in_notebook
-from .launching import EXIT_STATUS_ENV, read_exit_status
+from tutorial_lib.core import (
+    UserError,
+    free_port,
+    in_notebook,
+)
+from tutorial_lib.launching import (
+    EXIT_STATUS_ENV,
+    read_exit_status,
+)
 
 # %% auto #0
 __all__ = ['BAD_FILE_KINDS', 'FORK_PRELOAD', 'ACCELERATE_LAUNCHES', 'STRESS_RUN', 'KILL_KINDS', 'KILL_WEIGHTS', 'POLITE',

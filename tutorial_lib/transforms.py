@@ -303,7 +303,7 @@ def normalize_on_device(images: Tensor, channels_last: bool = False) -> Tensor:
 
     Float input passes through unchanged (the classic pipeline already normalised it). A batch comes
     out `channels_last` if asked, else contiguous, whatever layout it arrived in. Call it in the
-    training step, after moving the batch to the GPU (07 §5, 08a)."""
+    training step, after moving the batch to the GPU (07 §5, 08b)."""
     if images.dtype == torch.uint8:
         mean, std = imagenet_mean_std_255(images.device)
         images = images.float().sub_(mean).div_(std)
