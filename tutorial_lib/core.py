@@ -105,8 +105,8 @@ def scratch_dir(prefix: str) -> Path:
 def linked_subset(source: str | os.PathLike, folder: str | os.PathLike, per_class: dict[str, int]) -> Path:
     """The first `per_class[split]` images of every class folder of `source/<split>/`, linked into `folder`.
 
-    A small copy of a dataset in ImageFolder layout that takes no disk space: smoke mode and the tests train on
-    it with the same code as on the whole dataset."""
+    A small copy of a dataset in ImageFolder layout that takes no disk space: smoke mode trains on it with the
+    same code as on the whole dataset."""
     source, folder = Path(source), Path(folder)
     for split, count in per_class.items():
         for class_dir in sorted(p for p in (source / split).iterdir() if p.is_dir()):
