@@ -29,6 +29,7 @@ from tutorial_lib.cli import (
     positive_float,
     positive_int,
 )
+from .core import count_training_flops, in_notebook, mfu, peak_flops_for, peak_memory_bytes, seed_everything
 from tutorial_lib.timing import (
     alternate,
     make_bare_step,
@@ -38,9 +39,6 @@ from tutorial_lib.timing import (
     paired_ratios,
     time_windows,
 )
-
-from .core import count_training_flops, in_notebook, mfu, peak_flops_for, peak_memory_bytes, seed_everything
-
 # The training script (08a, which builds the models), 07's loaders, torchvision and accelerate are imported inside the
 # functions that use them: `python -m tutorial_lib.bench --help` then costs little more than importing torch.
 

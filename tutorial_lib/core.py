@@ -335,6 +335,7 @@ def bf16_supported() -> bool:
 # %% ../notebooks/00_introduction.ipynb #78cdee42
 import json
 import subprocess
+import sys
 
 
 def accelerate_cli(args: list, env: dict | None = None, timeout: float = 300.0) -> subprocess.CompletedProcess:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .accel import MissingPathError
 from tutorial_lib.cli import (
     HelpFormatter,
     OneLineParser,
@@ -24,6 +25,7 @@ from tutorial_lib.cli import (
     positive_float,
     run_on_user_files,
 )
+from .core import in_notebook
 from tutorial_lib.sources import (
     IMG_EXTENSIONS,
     OFFICIAL_ARCHIVES,
@@ -37,9 +39,6 @@ from tutorial_lib.sources import (
     require_datasets,
     scan_image_folder,
 )
-
-from .accel import MissingPathError
-from .core import in_notebook
 
 # %% auto #0
 __all__ = ['SHARD_MB', 'ILSVRC2012_COUNTS', 'read_val_mapping', 'prepare_val', 'hub_features', 'plan_shards', 'shard_table',

@@ -21,7 +21,6 @@ from tutorial_lib.accumulation import (
     timed_forward_backward,
     toy_batch,
 )
-
 from .core import fork_safe
 
 # %% auto #0

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .accel import is_main_process
 from tutorial_lib.checkpoints import (
     DiskFullError,
     RunFolderError,
@@ -24,8 +25,6 @@ from tutorial_lib.checkpoints import (
     format_bytes,
     latest_checkpoint,
 )
-
-from .accel import is_main_process
 from .core import UserError
 
 # %% auto #0

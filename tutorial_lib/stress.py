@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .checkpoints import sha256_file
 from tutorial_lib.cli import (
     HelpFormatter,
     OneLineParser,
@@ -31,8 +32,6 @@ from tutorial_lib.cli import (
     non_negative_int,
     positive_int,
 )
-
-from .checkpoints import sha256_file
 from .core import UserError, free_port, in_notebook
 from .launching import EXIT_STATUS_ENV, read_exit_status
 

@@ -31,6 +31,7 @@ from tutorial_lib.accel import (
     process_index,
     read_metrics,
 )
+from .accumulation import TinyCNN, loss_scale
 from tutorial_lib.checkpoints import (
     DiskFullError,
     RunFolderError,
@@ -59,6 +60,10 @@ from tutorial_lib.cli import (
     run_name,
     user_path,
 )
+from .core import StepTimer, UserError, count_training_flops, global_batch_size, in_notebook, peak_flops_for
+from .launching import follow_launcher, record_exit_status
+from .loading import EpochSeededDataset, build_datasets, build_loaders, gather_skips, seeded_subset
+from .optim import make_ema, param_groups
 from tutorial_lib.runs import (
     NonFiniteGuard,
     NonFiniteLossError,
@@ -72,12 +77,6 @@ from tutorial_lib.runs import (
     run_outputs,
     write_run_config,
 )
-
-from .accumulation import TinyCNN, loss_scale
-from .core import StepTimer, UserError, count_training_flops, global_batch_size, in_notebook, peak_flops_for
-from .launching import follow_launcher, record_exit_status
-from .loading import EpochSeededDataset, build_datasets, build_loaders, gather_skips, seeded_subset
-from .optim import make_ema, param_groups
 from .schedules import build_scheduler, num_optimizer_steps, resume_with_flags, scaled_lr
 from .sources import DataSource, embedded_data_path, resolve_data_source
 from .trackers import check_trackers, start_trackers
