@@ -785,7 +785,7 @@ def check_input_sizes(args: argparse.Namespace, net: nn.Module) -> None:
 
 
 def check_args(args: argparse.Namespace) -> DataSource:
-    """The rules that involve several flags, then the paths: before any data is read (cases in 11a). Each flag's
+    """The rules that involve several flags, then the paths: before any data is read (cases in 11b). Each flag's
     own value was checked where it is declared, by its `type=` (the command line and `default_args`). Returns
     `--path_to_data` resolved (07a), for `load_data`."""
     resizing = (args.min_res, args.max_res, args.end_ramp)
@@ -1120,7 +1120,7 @@ def add_speed_and_checkpoint_flags(group, checkpoints) -> None:
     )
     add_checkpoint(
         "--inject_nan_at_steps", type=positive_int, nargs="*", default=None, help=argparse.SUPPRESS
-    )  # testing hook of notebook 11a: NaN loss at these optimizer steps
+    )  # testing hook of notebook 11b: NaN loss at these optimizer steps
 
 # %% ../notebooks/08a_production_script.ipynb #337852c2
 def default_args(**overrides) -> argparse.Namespace:
@@ -1140,7 +1140,7 @@ SHARED_ERRORS = (BadFlagError, LaunchError, RunFolderError, NonFiniteLossError, 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `tutorial-train` and `python -m tutorial_lib.train`: 00a's `cli_main`. A user error prints one
-    line and exits 2, a NaN/Inf loss 3, no traceback (11a), said once per launch; SIGTERM/SIGUSR1 and Ctrl-C
+    line and exits 2, a NaN/Inf loss 3, no traceback (11b), said once per launch; SIGTERM/SIGUSR1 and Ctrl-C
     checkpoint and exit 143/138/130; a second Ctrl-C stops at once (130). Bugs keep their traceback. The status also
     goes to `$TUTORIAL_EXIT_STATUS_FILE` when set (06c's `record_exit_status`): `accelerate launch` reports 1 for all."""
     cli_main(
