@@ -1,4 +1,4 @@
-"""Signals and exit statuses on every launch path of `tutorial_lib.train` (notebooks 06b, 06c, 08b, 11).
+"""Signals and exit statuses on every launch path of `tutorial_lib.train` (notebooks 06b, 06c, 08b, 11, 11b).
 
 SIGTERM to a one-process `accelerate launch` (plain subprocess or torchrun's agent), to a 2-process one and to a
 process running `notebook_launcher` must reach the training, which checkpoints and stops, and the resumed run must
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tutorial_lib.checkpoints import latest_checkpoint, list_checkpoints
+from tutorial_lib.checkpoints import latest_checkpoint, list_checkpoints, sha256_file
 from tutorial_lib.cli import as_flags, config_path
 from tutorial_lib.launching import (
     EXIT_STATUS_ENV,
@@ -29,8 +29,8 @@ from tutorial_lib.launching import (
     read_exit_status,
     record_exit_status,
 )
+from tutorial_lib.processes import CliResult, TrainingProcess, _running, child_env, make_image_folder, run_cli
 from tutorial_lib.runs import StopAtOnce, StopRequest
-from tutorial_lib.stress import CliResult, TrainingProcess, _running, child_env, make_image_folder, run_cli, sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = dict(

@@ -1,4 +1,4 @@
-"""Reliability and security of `tutorial_lib.train` (notebook 11).
+"""Reliability and security of `tutorial_lib.train` (notebooks 11 and 11b).
 
 Every bad input is run through the real command line in its own process (forked from a server that
 imported the library once, so 20 cases cost seconds; two cases also through `python -m
@@ -26,11 +26,11 @@ from tutorial_lib.checkpoints import (
     incomplete_checkpoints,
     latest_checkpoint,
     list_checkpoints,
+    sha256_file,
     verify_checkpoint,
 )
 from tutorial_lib.cli import as_flags
-from tutorial_lib.sources import IMG_EXTENSIONS
-from tutorial_lib.stress import (
+from tutorial_lib.processes import (
     CliResult,
     TrainingProcess,
     child_env,
@@ -38,8 +38,8 @@ from tutorial_lib.stress import (
     first_files_of_process,
     make_image_folder,
     run_cli,
-    sha256_file,
 )
+from tutorial_lib.sources import IMG_EXTENSIONS
 
 pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
 

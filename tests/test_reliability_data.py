@@ -1,4 +1,4 @@
-"""Data tools and data sources as a hostile user would try them (notebooks 07 and 11).
+"""Data tools and data sources as a hostile user would try them (notebooks 07 and 11b).
 
 `prepare-val` and `from-archives` write only inside their folders, whatever class names a mapping or
 a devkit holds, and check every move before the first; parquet splits are compared by the class names
@@ -30,6 +30,7 @@ import tutorial_lib.data as data_module
 from tutorial_lib.cli import as_flags
 from tutorial_lib.data import main, prepare_val
 from tutorial_lib.loading import build_datasets
+from tutorial_lib.processes import child_env, make_image_folder, run_cli
 from tutorial_lib.sources import (
     DataLayoutError,
     DataSourceError,
@@ -37,7 +38,6 @@ from tutorial_lib.sources import (
     embedded_data_path,
     scan_image_folder,
 )
-from tutorial_lib.stress import child_env, make_image_folder, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = embedded_data_path()

@@ -1,4 +1,4 @@
-"""Run folders, resumes and flags that must not take a run over or fail late (notebook 11).
+"""Run folders, resumes and flags that must not take a run over or fail late (notebook 11b).
 
 Every case runs the real command line in its own process (`run_cli`, forked) and must do what the user meant or stop
 with exactly one line on stderr (exit 2) before anything is written: run names that leave the working directory, a
@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from train_helpers import assert_user_error
 
-from tutorial_lib.checkpoints import MANIFEST, latest_checkpoint, list_checkpoints
+from tutorial_lib.checkpoints import MANIFEST, latest_checkpoint, list_checkpoints, sha256_file
 from tutorial_lib.cli import as_flags
 from tutorial_lib.core import free_port
-from tutorial_lib.stress import CliResult, can_mount_small_disk, child_env, make_image_folder, run_cli, sha256_file
+from tutorial_lib.processes import CliResult, can_mount_small_disk, child_env, make_image_folder, run_cli
 
 pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
 

@@ -1,4 +1,5 @@
-"""tutorial_lib.stress: the kill-anywhere resume harness and its helpers (notebook 11a).
+"""tutorial_lib.stress, the kill-anywhere resume harness (notebook 11b), and tutorial_lib.processes, which runs the
+training script in processes of its own for it (notebook 11a).
 
 The CI version of the stress run: 2 trials, forked runs (the same `main` as `python -m
 tutorial_lib.train`, without 5 s of imports per run). The full 10-trial run with
@@ -20,21 +21,23 @@ from train_helpers import assert_user_error
 
 from tutorial_lib.cli import as_flags
 from tutorial_lib.loading import EpochSeededSampler, build_datasets
-from tutorial_lib.sources import UnreadableImageError
-from tutorial_lib.stress import (
+from tutorial_lib.processes import (
     BAD_FILE_KINDS,
-    KILL_KINDS,
     CliResult,
-    KillPlan,
-    KillRecord,
     TrainingProcess,
     can_mount_small_disk,
     child_env,
     corrupt_image,
-    draw_kill_plan,
     first_files_of_process,
     make_image_folder,
     run_cli,
+)
+from tutorial_lib.sources import UnreadableImageError
+from tutorial_lib.stress import (
+    KILL_KINDS,
+    KillPlan,
+    KillRecord,
+    draw_kill_plan,
     scale_kill_plan,
     sigterm_problem,
     stopped_at_step,
@@ -74,7 +77,7 @@ def test_the_default_stress_run_mixes_sigterm_with_sigkill_and_its_plans_do_not_
     kinds = [p.kind for trial in plans for p in trial]
     assert kinds.count("sigterm") >= 5 and kinds.count("during_save") >= 10, kinds
     assert any(p.kind == "sigterm" for p in plans[0]) and any(p.kind == "sigterm" for p in plans[1]), (
-        "the 2 trials of CI and notebook 11a include a SIGTERM"
+        "the 2 trials of CI and notebook 11b include a SIGTERM"
     )
     assert trial_kill_plans(1, 0, 3, 18, 1.5) != plans[0], "another seed, other plans"
 
@@ -211,7 +214,7 @@ def test_stress_command_line_deletes_its_temporary_folder_when_every_trial_passe
 FORK_RUN_IN_A_KERNEL = """
 import os
 from tutorial_lib.core import scratch_dir
-from tutorial_lib.stress import _fork_context, stop_fork_server
+from tutorial_lib.processes import _fork_context, stop_fork_server
 
 folder = scratch_dir("fork-test-")
 run = _fork_context().Process(target=os.getpid)  # starts the fork server, a child of the kernel
@@ -221,8 +224,8 @@ print(folder)
 
 
 def test_a_kernel_that_used_the_fork_launcher_cleans_up_after_stop_fork_server():
-    """The last cell of notebooks 11 and 11a. A kernel shutting down waits for its child processes; with the fork server
-    and the resource tracker still there it waits ~30 s, is killed first, and its scratch folder stays."""
+    """The last cell of notebooks 11, 11a and 11b. A kernel shutting down waits for its child processes; with the fork
+    server and the resource tracker still there it waits ~30 s, is killed first, and its scratch folder stays."""
     count_children = "import psutil\nprint(len(psutil.Process().children(recursive=True)))"
     with short_tmpdir() as tmp:
         out = run_in_kernel([FORK_RUN_IN_A_KERNEL, count_children, "stop_fork_server()\n" + count_children], tmp)

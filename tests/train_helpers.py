@@ -89,7 +89,7 @@ def exit_status(main, argv: list[str]) -> int:
 
 
 def assert_user_error(result, message: str, code: int = 2) -> None:
-    """A refused input (`result`: a `tutorial_lib.stress.CliResult`): exit `code`, exactly one line
+    """A refused input (`result`: a `tutorial_lib.processes.CliResult`): exit `code`, exactly one line
     `tutorial-train: error: <message>` on stderr, no traceback."""
     assert not result.has_traceback, f"a traceback was printed:\n{result.stderr[-2000:]}"
     assert result.returncode == code, (

@@ -98,7 +98,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def sha256_file(path: str | os.PathLike) -> str:
-    """SHA-256 of a file's bytes, read in 1 MiB blocks (checkpoint manifests, 11a's stress test)."""
+    """SHA-256 of a file's bytes, read in 1 MiB blocks (checkpoint manifests, 11b's stress test)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

@@ -326,7 +326,7 @@ def add_speed_and_checkpoint_flags(group, checkpoints) -> None:
     )
     add_checkpoint(
         "--inject_nan_at_steps", type=positive_int, nargs="*", default=None, help=argparse.SUPPRESS
-    )  # testing hook of notebook 11a: NaN loss at these optimizer steps
+    )  # testing hook of notebook 11b: NaN loss at these optimizer steps
 
 # %% ../notebooks/08a_flags_and_checks.ipynb #337852c2
 def default_args(**overrides) -> argparse.Namespace:
@@ -447,7 +447,7 @@ def check_input_sizes(args: argparse.Namespace, net: nn.Module) -> None:
 
 # %% ../notebooks/08a_flags_and_checks.ipynb #c4d81f0e
 def check_args(args: argparse.Namespace) -> DataSource:
-    """The rules that involve several flags, then the paths: before any data is read (cases in 11a). Each flag's
+    """The rules that involve several flags, then the paths: before any data is read (cases in 11b). Each flag's
     own value was checked where it is declared, by its `type=` (the command line and `default_args`). Returns
     `--path_to_data` resolved (07a), for `load_data`."""
     resizing = (args.min_res, args.max_res, args.end_ramp)

@@ -241,11 +241,11 @@ def checkpoint_size(model: torch.nn.Module, momentum: bool, ema: torch.nn.Module
 
 # %% ../notebooks/06b_run_safety.ipynb #5d1ec69d
 class NonFiniteLossError(RuntimeError):
-    """The loss became NaN or Inf; the training script prints one line naming the step and exits 3 (11a)."""
+    """The loss became NaN or Inf; the training script prints one line naming the step and exits 3 (11b)."""
 
 
 class NonFiniteGuard:
-    """Watch the training loss for NaN/Inf on every process, and decide the same on all of them (06b, 11a).
+    """Watch the training loss for NaN/Inf on every process, and decide the same on all of them (06b, 11b).
 
     `stop` costs no host sync per step: the first bad optimizer step is recorded on the device and
     `check` (called on every process at log steps, before checkpoints, at the end of an epoch) raises
@@ -264,7 +264,7 @@ class NonFiniteGuard:
     ):
         self.accelerator, self.mode, self.max_in_a_row = accelerator, mode, max_in_a_row
         self.skipped, self.in_a_row = skipped, in_a_row  # the caller keeps them across epochs and resumes
-        self.inject_at = set(inject_at or ())  # testing hook (11a): the main process's loss is NaN at these steps
+        self.inject_at = set(inject_at or ())  # testing hook (11b): the main process's loss is NaN at these steps
         self.first_bad = torch.full((1,), -1, dtype=torch.long, device=accelerator.device)
         self.window_bad, self.last_finite = False, True
 

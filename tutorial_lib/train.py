@@ -691,7 +691,7 @@ SHARED_ERRORS = (BadFlagError, LaunchError, RunFolderError, NonFiniteLossError, 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `tutorial-train` and `python -m tutorial_lib.train`: 00a's `cli_main`. A user error prints one
-    line and exits 2, a NaN/Inf loss 3, no traceback (11a), said once per launch; SIGTERM/SIGUSR1 and Ctrl-C
+    line and exits 2, a NaN/Inf loss 3, no traceback (11b), said once per launch; SIGTERM/SIGUSR1 and Ctrl-C
     checkpoint and exit 143/138/130; a second Ctrl-C stops at once (130). Bugs keep their traceback. The status
     also goes to `$TUTORIAL_EXIT_STATUS_FILE` when set (06c's `record_exit_status`): `accelerate launch` reports 1
     for all."""
