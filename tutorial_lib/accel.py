@@ -99,7 +99,7 @@ def format_metrics_table(rows: list[dict]) -> str:
         )
     return "\n".join(lines)
 
-
+# %% ../notebooks/06_accelerate_fundamentals.ipynb #bbc8efb7
 def _to_jsonable(value: Any) -> Any:
     """Turn tensors, NumPy scalars and paths into plain JSON values."""
     if isinstance(value, torch.Tensor):

@@ -92,7 +92,7 @@ def toy_batch(
         torch.randint(0, num_classes, (batch_size,), generator=g),
     )
 
-
+# %% ../notebooks/01_gradient_accumulation.ipynb #1ffed6b5
 class TinyCNN(nn.Sequential):
     """Three 3×3 convolutions and a linear head, without any normalisation layer.
 
@@ -144,7 +144,7 @@ def accumulate_gradients(
         total += loss.item()
     return total
 
-
+# %% ../notebooks/01_gradient_accumulation.ipynb #062f0f22
 def gradient_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     """A copy of every parameter's `.grad` by name, to compare two ways of computing gradients."""
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -240,7 +240,7 @@ class CommHookRecorder:
 
         return future.then(finished)
 
-
+# %% ../notebooks/01_gradient_accumulation.ipynb #8fbb668c
 def timed_forward_backward(accelerator, model: nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
     """Forward and backward of one (micro-)batch, timed: `{"forward": (t0, t1), "backward": (t1, t2)}` in
     `time.perf_counter()` seconds, the clock of `CommHookRecorder` (01, 02)."""

@@ -174,7 +174,7 @@ PEAK_BF16_TFLOPS: dict[str, float] = {
     "T4": 65.0,
 }
 
-
+# %% ../notebooks/00_introduction.ipynb #c91b3871
 def peak_flops_for(device_name: str | None, peak_tflops: float | None = None) -> float | None:
     """Peak dense bf16 FLOP/s of a GPU named `device_name`, or `peak_tflops` × 1e12 when given.
 

@@ -356,7 +356,7 @@ def pipeline_schedule(
             run("backward", m, s, ready, tb)
     return tasks
 
-
+# %% ../notebooks/02_parallelism.ipynb #490369fc
 def idle_fraction(tasks: list[dict]) -> float:
     """Share of stage-time spent idle in a schedule from `pipeline_schedule` (the bubble)."""
     stages = {t["stage"] for t in tasks}
@@ -432,7 +432,7 @@ ZERO_STAGES = {
     3: "ZeRO-3 / FSDP: + parameters",
 }
 
-
+# %% ../notebooks/02_parallelism.ipynb #dd1391cd
 def sharded_state_bytes(
     num_params: float,
     world_size: int,
@@ -481,7 +481,7 @@ def _collective_kind(name: str) -> str:
             return kind
     return name
 
-
+# %% ../notebooks/02_parallelism.ipynb #44188a4a
 class CollectiveCounter(TorchDispatchMode):
     """Records the collectives (`c10d` operations) run inside `with CollectiveCounter() as counter:` (02).
 

@@ -107,7 +107,7 @@ def build_scheduler(
         )
     return LambdaLR(optimizer, lambdas)
 
-
+# %% ../notebooks/05_lr_schedules.ipynb #7f08d234
 def lr_curve(name: str, total_steps: int, base_lr: float = 1.0, **kwargs) -> list[float]:
     """The lr used by each of the `total_steps` optimizer steps of a schedule (for plots and checks)."""
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base_lr)

@@ -73,7 +73,7 @@ def make_bare_step(
 
     return run
 
-
+# %% ../notebooks/10_performance.ipynb #ce848c95
 def alternate(
     runs: dict[str, Callable[[int], None]], rounds: int, steps: int, warmup_rounds: int = 1
 ) -> dict[str, list[float]]:

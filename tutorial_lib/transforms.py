@@ -196,7 +196,7 @@ def largest_dct_reduction(crop_height: int, crop_width: int, out_size: int) -> i
             return k
     return 1
 
-
+# %% ../notebooks/07_data_pipeline.ipynb #f042f043
 def resized_crop_uint8(img: Tensor, params: CropParams, size: int) -> Tensor:
     """Crop, resize to `size`×`size` (bilinear, antialiased, in uint8) and optionally mirror one image.
 
