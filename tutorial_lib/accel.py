@@ -157,6 +157,16 @@ def _refuse_what_cannot_work(accelerator, asked_cpu: bool) -> None:
             flush=True,
         )
 
+# %% ../notebooks/06_accelerate_fundamentals.ipynb #70af7045
+def _run_project_config(project_dir: str | os.PathLike | None):
+    """`build_accelerator`'s project configuration: the run folder, with TensorBoard's logs in <run>/tensorboard;
+    None without a run folder."""
+    from accelerate.utils import ProjectConfiguration
+
+    if not project_dir:
+        return None
+    return ProjectConfiguration(project_dir=str(project_dir), logging_dir=str(Path(project_dir) / "tensorboard"))
+
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #0581ab50
 def build_accelerator(
     cpu: bool = False,
@@ -174,7 +184,7 @@ def build_accelerator(
     launched processes that did not join one group, and notes a CPU run that did not ask for the CPU."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
-    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
+    from accelerate.utils import DataLoaderConfiguration
 
     asked_cpu = cpu or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
     if asked_cpu and "MASTER_ADDR" in os.environ and "WORLD_SIZE" not in os.environ:
@@ -191,11 +201,7 @@ def build_accelerator(
         gradient_accumulation_steps=gradient_accumulation_steps,
         step_scheduler_with_optimizer=False,  # the training script steps it once per optimizer step
         log_with=log_with,
-        project_config=ProjectConfiguration(  # TensorBoard writes under <run>/tensorboard
-            project_dir=str(project_dir), logging_dir=str(Path(project_dir) / "tensorboard")
-        )
-        if project_dir
-        else None,
+        project_config=_run_project_config(project_dir),  # TensorBoard writes under <run>/tensorboard
         # a blocking copy would wait for the whole previous step: the GPU would idle while Python fetches the batch
         dataloader_config=DataLoaderConfiguration(non_blocking=overlapping_copies(cpu)),
     )
@@ -279,6 +285,17 @@ def gather_batch(accelerator, logits: torch.Tensor, labels: torch.Tensor, loss: 
         logits, labels, loss = logits[keep], labels[keep], loss[keep]
     return logits, labels, loss
 
+# %% ../notebooks/06_accelerate_fundamentals.ipynb #af628149
+def _require_even_batches(accelerator) -> None:
+    """`ClassificationMetrics.gather_update`'s check: gathering counts each sample once only when every process gets
+    equally sized batches."""
+    if not getattr(accelerator, "even_batches", True):
+        raise ValueError(
+            "gather_update needs equally sized batches on every process (accelerate's default "
+            "even_batches=True). With even_batches=False use ClassificationMetrics(..., "
+            "sync_on_compute=True) and call update() with this process's own batches."
+        )
+
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #9b0f32c6
 class ClassificationMetrics:
     """Loss, top-1 and top-5 accuracy (in %) and the sample count of an epoch, exact across processes (06).
@@ -293,9 +310,8 @@ class ClassificationMetrics:
         self.num_classes, self.device = int(num_classes), torch.device(device)
         self.top_k = min(5, self.num_classes)
         loss_dtype = torch.float32 if self.device.type == "mps" else torch.float64  # MPS has no float64
-        self.sums = _classification_sums_metric()(self.top_k, loss_dtype, sync_on_compute=sync_on_compute).to(
-            self.device
-        )
+        sums = _classification_sums_metric()(self.top_k, loss_dtype, sync_on_compute=sync_on_compute)
+        self.sums = sums.to(self.device)
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor | float | None = None) -> None:
         """Add a batch: `logits` (B, C), `labels` (B,), `loss` per sample (B,), exact, or the batch mean."""
@@ -305,12 +321,7 @@ class ClassificationMetrics:
         self, accelerator, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor | None = None
     ) -> None:
         """`gather_batch`, then `update`: call it on every process, in the loop over the prepared dataloader."""
-        if not getattr(accelerator, "even_batches", True):
-            raise ValueError(
-                "gather_update needs equally sized batches on every process (accelerate's default "
-                "even_batches=True). With even_batches=False use ClassificationMetrics(..., "
-                "sync_on_compute=True) and call update() with this process's own batches."
-            )
+        _require_even_batches(accelerator)
         logits, labels, loss = gather_batch(accelerator, logits, labels, loss)
         if labels.numel():
             self.update(logits, labels, loss)

@@ -278,6 +278,23 @@ def draw_timeline(
     ax.set_xlabel("time since the first recorded event (ms)")
     return origin
 
+# %% ../notebooks/01_gradient_accumulation.ipynb #45aef743
+def _record_accumulation(accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, loader) -> dict:
+    """One pass over `loader` with `accelerator.accumulate`, recorded (01): `micro_steps` (forward and backward
+    times, `sync_gradients`), the `CommHookRecorder` `events` of the DDP `model` and `grads` after each micro-step."""
+    recorder = CommHookRecorder()
+    model.register_comm_hook(None, recorder.hook)
+    micro_steps, grads = [], []
+    for i, (x, y) in enumerate(loader):
+        recorder.step = i
+        with accelerator.accumulate(model):  # no_sync() on all but the last micro-step of a window
+            times = timed_forward_backward(accelerator, model, nn.CrossEntropyLoss(), x, y)
+            micro_steps.append({"micro_step": i, **times, "sync_gradients": accelerator.sync_gradients})
+            grads.append(gradient_snapshot(accelerator.unwrap_model(model)))
+            optimizer.step()  # skipped by accelerate until the window is complete
+            optimizer.zero_grad()
+    return {"micro_steps": micro_steps, "events": recorder.events, "grads": grads}
+
 # %% ../notebooks/01_gradient_accumulation.ipynb #a0663e89
 def accumulation_timeline_worker(
     out_dir: str,
@@ -308,26 +325,9 @@ def accumulation_timeline_worker(
     model = make_toy_cnn(norm="none", width=width, seed=seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)  # DDP model, sharded loader
-    recorder = CommHookRecorder()
-    model.register_comm_hook(None, recorder.hook)
-    micro_steps, grads = [], []
-    for i, (x, y) in enumerate(loader):
-        recorder.step = i
-        with accelerator.accumulate(model):  # no_sync() on all but the last micro-step of a window
-            times = timed_forward_backward(accelerator, model, nn.CrossEntropyLoss(), x, y)
-            micro_steps.append({"micro_step": i, **times, "sync_gradients": accelerator.sync_gradients})
-            grads.append(gradient_snapshot(accelerator.unwrap_model(model)))
-            optimizer.step()  # skipped by accelerate until the window is complete
-            optimizer.zero_grad()
+    recorded = _record_accumulation(accelerator, model, optimizer, loader)
     torch.save(
-        {
-            "rank": rank,
-            "num_processes": world_size,
-            "micro_steps": micro_steps,
-            "events": recorder.events,
-            "grads": grads,
-            "num_threads": torch.get_num_threads(),
-        },
+        {"rank": rank, "num_processes": world_size, **recorded, "num_threads": torch.get_num_threads()},
         Path(out_dir) / f"rank{rank}.pt",
     )
 

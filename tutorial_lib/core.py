@@ -255,6 +255,14 @@ class StepClock:
             self.data_ready()
             yield batch
 
+# %% ../notebooks/00_introduction.ipynb #fc9bde30
+def _progress_postfix(summary: dict) -> dict:
+    """`StepTimer.postfix`'s strings from its `summary()`: img/s, the share of time spent waiting for data, MFU."""
+    out = {"img/s per process": f"{summary['images_per_sec']:.0f}", "data": f"{summary['data_fraction']:.0%}"}
+    if summary["mfu"] is not None:
+        out["mfu"] = f"{summary['mfu']:.1%}"
+    return out
+
 # %% ../notebooks/00_introduction.ipynb #7f565a60
 class StepTimer(StepClock):
     """Per-epoch accounting of a training loop: `StepClock`'s time waiting for data vs computing, and images/s,
@@ -281,7 +289,6 @@ class StepTimer(StepClock):
         """The epoch's numbers, ready for `metrics.jsonl`."""
         total = self.data_time + self.compute_time
         ips = self.images / total if total > 0 else 0.0
-        flops = self.flops_per_image
         return {
             "data_time": self.data_time,
             "compute_time": self.compute_time,
@@ -290,16 +297,12 @@ class StepTimer(StepClock):
             "steps": self.steps,
             "images_per_sec": ips,
             "peak_memory_mb": peak_memory_bytes(self.device) / 2**20,
-            "mfu": mfu(ips, flops, self.peak_flops) if flops else None,
+            "mfu": mfu(ips, self.flops_per_image, self.peak_flops) if self.flops_per_image else None,
         }
 
     def postfix(self) -> dict:
         """Short strings for a progress line: this process's img/s and its share of time spent waiting for data."""
-        s = self.summary()
-        out = {"img/s per process": f"{s['images_per_sec']:.0f}", "data": f"{s['data_fraction']:.0%}"}
-        if s["mfu"] is not None:
-            out["mfu"] = f"{s['mfu']:.1%}"
-        return out
+        return _progress_postfix(self.summary())
 
 # %% ../notebooks/00_introduction.ipynb #3f563180
 def global_batch_size(batch_size: int, gradient_accumulation_steps: int = 1, num_processes: int = 1) -> int:

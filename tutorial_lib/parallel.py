@@ -142,6 +142,27 @@ def run_ddp_gradient_check(num_processes: int = 2, global_batch: int = 16, seed:
         "num_threads": [r["num_threads"] for r in ranks],
     }
 
+# %% ../notebooks/02_parallelism.ipynb #af85f7e5
+def _timed_ddp_steps(
+    accelerator, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, steps: int
+) -> tuple[list[dict], list[dict]]:
+    """`steps` forward and backward passes of the DDP `model`, recorded (02): per step the forward and backward
+    times and when the first and the last parameter gradient was ready, and the `CommHookRecorder` events."""
+    recorder = CommHookRecorder()
+    model.register_comm_hook(None, recorder.hook)  # every bucket's all-reduce goes through it
+    ready: list[float] = []
+    for p in accelerator.unwrap_model(model).parameters():
+        p.register_post_accumulate_grad_hook(lambda _param, ready=ready: ready.append(time.perf_counter()))
+    recorded = []
+    for step in range(steps):
+        recorder.step = step
+        ready.clear()
+        # the backward returns once every bucket is all-reduced
+        times = timed_forward_backward(accelerator, model, nn.CrossEntropyLoss(), inputs, targets)
+        recorded.append({"step": step, **times, "first_gradient": min(ready), "last_gradient": max(ready)})
+        model.zero_grad(set_to_none=True)
+    return recorded, recorder.events
+
 # %% ../notebooks/02_parallelism.ipynb #ae4f9f1b
 def ddp_timeline_worker(
     out_dir: str,
@@ -169,24 +190,12 @@ def ddp_timeline_worker(
         accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=cap)])
         rank = accelerator.process_index
         model = accelerator.prepare(copy.deepcopy(initial))
-        recorder = CommHookRecorder()
-        model.register_comm_hook(None, recorder.hook)  # every bucket's all-reduce goes through it
-        ready: list[float] = []
-        for p in accelerator.unwrap_model(model).parameters():
-            p.register_post_accumulate_grad_hook(lambda _param, ready=ready: ready.append(time.perf_counter()))
         inputs, targets = toy_batch(batch_size, img_size=img_size, seed=seed + rank)  # this process's shard
-        recorded = []
-        for step in range(steps):
-            recorder.step = step
-            ready.clear()
-            # the backward returns once every bucket is all-reduced
-            times = timed_forward_backward(accelerator, model, nn.CrossEntropyLoss(), inputs, targets)
-            recorded.append({"step": step, **times, "first_gradient": min(ready), "last_gradient": max(ready)})
-            model.zero_grad(set_to_none=True)
+        recorded, events = _timed_ddp_steps(accelerator, model, inputs, targets, steps)
         runs[cap] = {
             "rank": rank,
             "steps": recorded,
-            "events": recorder.events,
+            "events": events,
             "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         }
     torch.save(runs, Path(out_dir) / f"rank{rank}.pt")
@@ -572,6 +581,40 @@ def fsdp_vs_ddp(model: nn.Module, ddp_named: dict, num_terms: int, lr: float) ->
         )
     return diff, tolerance
 
+# %% ../notebooks/02_parallelism.ipynb #bf375075
+def _ddp_step(accelerator, initial: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float) -> tuple[list[dict], dict]:
+    """`fsdp_step_worker`'s DDP step: one SGD step (momentum 0.9) of a copy of `initial` prepared by `accelerator`;
+    returns its collectives (`CollectiveCounter.calls`) and its updated parameters by name (02)."""
+    ddp_model = accelerator.prepare(copy.deepcopy(initial))
+    ddp_optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr, momentum=0.9)
+    ddp_comm = counted_step(ddp_model, ddp_optimizer, nn.CrossEntropyLoss(), x, y)
+    return ddp_comm.calls, dict(accelerator.unwrap_model(ddp_model).named_parameters())
+
+
+def _fsdp_step_compared(
+    initial: nn.Module, wrap: str, x: torch.Tensor, y: torch.Tensor, lr: float, ddp_named: dict
+) -> dict:
+    """`fsdp_step_worker`'s FSDP step: the same SGD step of a copy of `initial` sharded by `fully_shard_blocks`, and
+    what it shows (02): the number of units, the full and local shapes of the parameters, the local shapes of the
+    momentum buffers, the collectives, and every parameter's difference from DDP's `ddp_named` with its tolerance."""
+    model = copy.deepcopy(initial)
+    num_units = fully_shard_blocks(model, wrap)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)  # on the shards: sharded state
+    fsdp_comm = counted_step(model, optimizer, nn.CrossEntropyLoss(), x, y)
+    num_terms = longest_gradient_sum(initial, x)  # compared here, rather than saving two copies of every parameter
+    diff, tolerance = fsdp_vs_ddp(model, ddp_named, num_terms, lr)
+    return {
+        "num_units": num_units,
+        "shapes": {n: (tuple(p.shape), tuple(p.to_local().shape)) for n, p in model.named_parameters()},
+        "momentum_shapes": {
+            n: tuple(optimizer.state[p]["momentum_buffer"].to_local().shape) for n, p in model.named_parameters()
+        },
+        "fsdp_calls": fsdp_comm.calls,
+        "max_abs_diff": diff,
+        "tolerance": tolerance,
+        "num_terms": num_terms,
+    }
+
 # %% ../notebooks/02_parallelism.ipynb #eb07cd6c
 def fsdp_step_worker(
     out_dir: str,
@@ -598,32 +641,16 @@ def fsdp_step_worker(
     torch.manual_seed(seed)
     initial = torchvision.models.get_model(arch, num_classes=10)  # both runs start from copies of it
 
-    ddp_model = accelerator.prepare(copy.deepcopy(initial))
-    ddp_optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr, momentum=0.9)
-    ddp_comm = counted_step(ddp_model, ddp_optimizer, nn.CrossEntropyLoss(), x, y)
-    ddp_named = dict(accelerator.unwrap_model(ddp_model).named_parameters())
-    model = copy.deepcopy(initial)
-    num_units = fully_shard_blocks(model, wrap)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)  # on the shards: sharded state
-    fsdp_comm = counted_step(model, optimizer, nn.CrossEntropyLoss(), x, y)
-    num_terms = longest_gradient_sum(initial, x)  # compared here, rather than saving two copies of every parameter
-    diff, tolerance = fsdp_vs_ddp(model, ddp_named, num_terms, lr)
+    ddp_calls, ddp_named = _ddp_step(accelerator, initial, x, y, lr)
+    fsdp = _fsdp_step_compared(initial, wrap, x, y, lr, ddp_named)
     torch.save(
         {
             "rank": rank,
             "num_processes": world_size,
-            "num_units": num_units,
             "num_threads": torch.get_num_threads(),
-            "shapes": {n: (tuple(p.shape), tuple(p.to_local().shape)) for n, p in model.named_parameters()},
-            "momentum_shapes": {
-                n: tuple(optimizer.state[p]["momentum_buffer"].to_local().shape) for n, p in model.named_parameters()
-            },
-            "ddp_calls": ddp_comm.calls,
-            "fsdp_calls": fsdp_comm.calls,
-            "max_abs_diff": diff,
-            "tolerance": tolerance,
-            "num_terms": num_terms,
+            "ddp_calls": ddp_calls,
             "param_bytes": sum(p.numel() * p.element_size() for p in ddp_named.values()),
+            **fsdp,
         },
         Path(out_dir) / f"rank{rank}.pt",
     )

@@ -39,17 +39,24 @@ def decode_bits(sign: str, exponent: str, mantissa: str) -> float:
         return (-1) ** s * 2.0 ** (1 - bias) * (m / 2**M)
     return (-1) ** s * 2.0 ** (e - bias) * (1 + m / 2**M)
 
-# %% ../notebooks/03_mixed_precision.ipynb #7ffde066
+# %% ../notebooks/03_mixed_precision.ipynb #89620c84
 FIELD_COLORS = {"sign": "#d62728", "exponent": "#1f77b4", "mantissa": "#2ca02c"}
 
 
+def _draw_bit(ax, position: int, y: float, bit: str, field: str, gid: str) -> None:
+    """One bit of `draw_bit_layout`: a box in its field's colour, strong for a 1, pale for a 0, with the digit on it."""
+    from matplotlib.patches import Rectangle
+
+    alpha = 0.85 if bit == "1" else 0.3
+    ax.add_patch(Rectangle((position, y - 0.4), 1, 0.8, facecolor=FIELD_COLORS[field], alpha=alpha, edgecolor="white"))
+    ax.text(position + 0.5, y, bit, ha="center", va="center", fontsize=7, gid=gid)
+
+# %% ../notebooks/03_mixed_precision.ipynb #7ffde066
 def draw_bit_layout(ax, x: float, dtypes=(torch.float32, torch.float16, torch.bfloat16)) -> None:
     """Draw the sign, exponent and mantissa bits of `x` stored in each of `dtypes`, one row per format (03).
 
     The bits come from `float_bits`; each bit's text artist carries the gid "dtype|field|index", so a
     check can read back what was drawn. The right margin gives the value the bits decode to."""
-    from matplotlib.patches import Rectangle
-
     short = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
     for row, dtype in enumerate(dtypes):
         name, y = str(dtype).replace("torch.", ""), -1.5 * row  # rows 1.5 apart: room for the labels
@@ -59,17 +66,7 @@ def draw_bit_layout(ax, x: float, dtypes=(torch.float32, torch.float16, torch.bf
         for field in ("sign", "exponent", "mantissa"):
             bits = b[field]
             for i, bit in enumerate(bits):
-                ax.add_patch(
-                    Rectangle(
-                        (position, y - 0.4),
-                        1,
-                        0.8,
-                        facecolor=FIELD_COLORS[field],
-                        alpha=0.85 if bit == "1" else 0.3,
-                        edgecolor="white",
-                    )
-                )
-                ax.text(position + 0.5, y, bit, ha="center", va="center", fontsize=7, gid=f"{name}|{field}|{i}")
+                _draw_bit(ax, position, y, bit, field, gid=f"{name}|{field}|{i}")
                 position += 1
             label = {"sign": "s", "exponent": f"exponent ({E})", "mantissa": f"mantissa ({M})"}[field]
             ax.text(position - len(bits) / 2, y + 0.5, label, ha="center", va="bottom", fontsize=7)
