@@ -134,15 +134,9 @@ def make_our_step(
     dataset = FixedBatchDataset(images, labels, steps * batch_size)
     train_loader, _ = build_loaders(dataset, dataset, batch_size=batch_size, num_workers=0, seed=seed, pin_memory=False)
     accelerator = build_accelerator(args.cpu, args.mixed_precision, args.gradient_accumulation_steps)
-    run = setup_run(
-        resolve_learning_rate(args, accelerator.num_processes),
-        accelerator,
-        model,
-        train_loader,
-        None,
-        num_classes,
-        run_dir=tempfile.gettempdir(),
-    )  # no checkpoint is written (none asked for)
+    args = resolve_learning_rate(args, accelerator.num_processes)
+    # no checkpoint is written (none asked for)
+    run = setup_run(args, accelerator, model, train_loader, None, num_classes, run_dir=tempfile.gettempdir())
     epoch = [0]
 
     def step(n: int) -> None:
@@ -184,19 +178,10 @@ def run_loop_benchmark(
     model = build_model(arch, num_classes)
     images = torch.randn(batch_size, 3, img_size, img_size)
     labels = torch.randint(0, num_classes, (batch_size,))
-    hyper = dict(lr=lr, momentum=momentum, weight_decay=weight_decay)
+    hyper = dict(lr=lr, momentum=momentum, weight_decay=weight_decay)  # both loops
+    ours_only = dict(gradient_accumulation_steps=gradient_accumulation_steps, max_grad_norm=max_grad_norm, seed=seed)
     if ours == "train":
-        mine = make_our_step(
-            copy.deepcopy(model),
-            images,
-            labels,
-            steps=steps,
-            num_classes=num_classes,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            max_grad_norm=max_grad_norm,
-            seed=seed,
-            **hyper,
-        )
+        mine = make_our_step(copy.deepcopy(model), images, labels, steps, num_classes, **hyper, **ours_only)
     else:
         mine = make_bare_step(copy.deepcopy(model), images, labels, **hyper)
     runs = {"ours": mine, "bare": make_bare_step(copy.deepcopy(model), images, labels, **hyper)}
@@ -250,13 +235,6 @@ def make_train_step(
 
     return step
 
-
-def _synchronizer(device: torch.device) -> Callable[[], None]:
-    """`torch.cuda.synchronize` for a CUDA device, a no-op elsewhere (CPU work is synchronous)."""
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
-
 # %% ../notebooks/10a_benchmarks.ipynb #54f15fbb
 def build_synthetic_run(
     arch: str,
@@ -303,7 +281,7 @@ def measure_steps(
 ) -> dict:
     """Warm up (timed separately, it includes any compilation), then median img/s over timed windows."""
     device = torch.device(device)
-    sync = _synchronizer(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)  # CPU: synchronous
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
@@ -368,14 +346,13 @@ def linked_image_folder(folder: str | os.PathLike, dest: str | os.PathLike, max_
     `dest/val/<class>/`: the layout 07's `build_datasets` reads (a benchmark repeats files anyway)."""
     files, labels, classes = jpeg_files_and_labels(folder, max_files)
     dest = Path(dest)
-    first_of_class = {}
+    first_of_class = {}  # class -> index of its first file, the one val/ gets too
     for k, (f, y) in enumerate(zip(files, labels)):
-        first_of_class.setdefault(y, (k, f))
-        for split, keep in [("train", True), ("val", first_of_class[y][0] == k)]:
-            if keep:
-                target = dest / split / classes[y] / f"{k:06d}{f.suffix}"
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.symlink_to(f.resolve())
+        splits = ["train", "val"] if first_of_class.setdefault(y, k) == k else ["train"]
+        for split in splits:
+            target = dest / split / classes[y] / f"{k:06d}{f.suffix}"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.symlink_to(f.resolve())
     return dest
 
 # %% ../notebooks/10a_benchmarks.ipynb #10006b0c
@@ -499,11 +476,9 @@ def run_gpu_benchmark(
         torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick the fastest kernels once
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = peak_flops_for(name if device.type == "cuda" else None, peak_tflops)
-    workers = (
-        max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2) - 1)
-        if workers is None
-        else workers
-    )
+    if workers is None:  # the CPUs this process may use, minus one for the main process
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+        workers = max(1, cpus - 1)
     result = {
         "device": name,
         "arch": arch,
@@ -545,14 +520,11 @@ def run_gpu_benchmark(
         if "images_per_sec" in row:
             runs[config] = run
     measured = [r for r in result["rows"] if "images_per_sec" in r]
-    if not measured:
-        result["elapsed_s"] = time.perf_counter() - t0
-        return result
-    best = max(measured, key=lambda r: r["images_per_sec"])
-    result["best_synthetic"] = best["config"]
-    result["best_synthetic_ips"] = best["images_per_sec"]
+    if measured:
+        best = max(measured, key=lambda r: r["images_per_sec"])
+        result.update(best_synthetic=best["config"], best_synthetic_ips=best["images_per_sec"])
 
-    if data_dir is not None:
+    if measured and data_dir is not None:  # end to end with the fastest model
         run = runs[best["config"]]
         length = batch_size * (warmup_steps + windows * steps_per_window + 2)
         feeds = {"cpu_workers": ("fast", workers), "device_decode": ("gpu", decode_workers)}
@@ -618,19 +590,18 @@ def _cmd_gpu(args: argparse.Namespace) -> None:
             "run it on a GPU machine, or pass --device cpu --dry_run to check the code path"
         )
         return
-    sizes = dict(GPU_DEFAULTS)
-    sizes.pop("budget_s")
+    sizes = {key: value for key, value in GPU_DEFAULTS.items() if key != "budget_s"}  # budget_s: a flag of its own
     if args.dry_run:
         sizes.update(DRY_RUN)
     sizes.update({key: getattr(args, key) for key in sizes if hasattr(args, key)})  # what the command line gave
-    backend = getattr(args, "compile_backend", None) or ("inductor" if device.type == "cuda" else "eager")
+    backend = args.compile_backend or ("inductor" if device.type == "cuda" else "eager")
     result = run_gpu_benchmark(
         device,
         **sizes,
         compile_backend=backend,
-        peak_tflops=getattr(args, "peak_tflops", None),
+        peak_tflops=args.peak_tflops,
         data_dir=None if args.no_e2e else args.data_dir,
-        workers=getattr(args, "workers", None),
+        workers=args.workers,
         decode_workers=args.decode_workers,
         budget_s=args.budget_s,
         amp_dtype=None if args.fp32 else torch.bfloat16,
@@ -641,9 +612,8 @@ def _cmd_gpu(args: argparse.Namespace) -> None:
 
 # %% ../notebooks/10a_benchmarks.ipynb #65cac76b
 def _cmd_loop(args: argparse.Namespace) -> None:
-    kwargs = {k: getattr(args, k) for k in LOOP_DEFAULTS}
     try:
-        result = run_loop_benchmark(**kwargs, ours=args.ours)
+        result = run_loop_benchmark(**{k: getattr(args, k) for k in LOOP_DEFAULTS}, ours=args.ours)
     except RuntimeError as e:
         sys.exit(f"bench loop: {e}")
     print(
@@ -685,6 +655,22 @@ _SIZE_FLAGS = {
     "batch_size": ("batch_size", positive_int, "images per step"),
     "num_classes": ("num_classes", positive_int, "classes of the model's last layer"),
 }
+# the other numbers of `bench loop`, in the same form (defaults: LOOP_DEFAULTS)
+_LOOP_FLAGS = {
+    "steps": ("steps", positive_int, "steps per round"),
+    "rounds": ("rounds", positive_int, "timed rounds per loop (even: each loop goes first equally often)"),
+    "warmup_rounds": ("warmup_rounds", non_negative_int, "untimed rounds first"),
+    "learning_rate": ("lr", positive_float, "SGD learning rate"),
+    "momentum": ("momentum", number_flag(float, 0, 1, high_open=True), "SGD momentum"),
+    "weight_decay": ("weight_decay", non_negative_float, "SGD weight decay"),
+    "gradient_accumulation_steps": (
+        "gradient_accumulation_steps",
+        positive_int,
+        "micro-batches per optimizer step (ours)",
+    ),
+    "max_grad_norm": ("max_grad_norm", non_negative_float, "gradient clipping in our step; 0: off"),
+    "seed": ("seed", non_negative_int, "seeds weights and the batch"),
+}
 
 # %% ../notebooks/10a_benchmarks.ipynb #e8c56e8f
 def get_args_parser() -> argparse.ArgumentParser:
@@ -706,43 +692,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     for flag, (key, kind, text) in _SIZE_FLAGS.items():
         loop.add_argument(f"--{flag}", dest=key, type=kind, default=LOOP_DEFAULTS[key], metavar=flag.upper(), help=text)
-    loop.add_argument("--steps", type=positive_int, default=LOOP_DEFAULTS["steps"], help="steps per round")
-    loop.add_argument(
-        "--rounds",
-        type=positive_int,
-        default=LOOP_DEFAULTS["rounds"],
-        help="timed rounds per loop (even: each loop goes first equally often)",
-    )
-    loop.add_argument(
-        "--warmup_rounds", type=non_negative_int, default=LOOP_DEFAULTS["warmup_rounds"], help="untimed rounds first"
-    )
-    loop.add_argument(
-        "--learning_rate", dest="lr", type=positive_float, default=LOOP_DEFAULTS["lr"], help="SGD learning rate"
-    )
-    loop.add_argument(
-        "--momentum",
-        type=number_flag(float, 0, 1, high_open=True),
-        default=LOOP_DEFAULTS["momentum"],
-        help="SGD momentum",
-    )
-    loop.add_argument(
-        "--weight_decay", type=non_negative_float, default=LOOP_DEFAULTS["weight_decay"], help="SGD weight decay"
-    )
-    loop.add_argument(
-        "--gradient_accumulation_steps",
-        type=positive_int,
-        default=LOOP_DEFAULTS["gradient_accumulation_steps"],
-        help="micro-batches per optimizer step (ours)",
-    )
-    loop.add_argument(
-        "--max_grad_norm",
-        type=non_negative_float,
-        default=LOOP_DEFAULTS["max_grad_norm"],
-        help="gradient clipping in our step; 0: off",
-    )
-    loop.add_argument(
-        "--seed", type=non_negative_int, default=LOOP_DEFAULTS["seed"], help="seeds weights and the batch"
-    )
+    for flag, (key, kind, text) in _LOOP_FLAGS.items():
+        loop.add_argument(f"--{flag}", dest=key, type=kind, default=LOOP_DEFAULTS[key], help=text)
     loop.add_argument(
         "--ours",
         choices=["train", "bare"],
@@ -772,18 +723,11 @@ def get_args_parser() -> argparse.ArgumentParser:
         "warmup_steps": ("warmup_steps", non_negative_int, "untimed steps first (they include compiling)"),
     }
     for flag, (key, kind, text) in sizes.items():  # not given: GPU_DEFAULTS, or DRY_RUN with --dry_run
-        gpu.add_argument(
-            f"--{flag}",
-            dest=key,
-            type=kind,
-            default=argparse.SUPPRESS,
-            metavar=flag.upper(),
-            help=f"{text} (default: {GPU_DEFAULTS[key]}; {DRY_RUN[key]} with --dry_run)",
-        )
+        text += f" (default: {GPU_DEFAULTS[key]}; {DRY_RUN[key]} with --dry_run)"
+        gpu.add_argument(f"--{flag}", dest=key, type=kind, default=argparse.SUPPRESS, metavar=flag.upper(), help=text)
     gpu.add_argument(
         "--peak_tflops",
         type=positive_float,
-        default=argparse.SUPPRESS,
         help="the device's dense bf16 peak in TFLOP/s (default: looked up by the device's name, e.g. "
         "H200 989, A100 312)",
     )
@@ -798,17 +742,12 @@ def get_args_parser() -> argparse.ArgumentParser:
     gpu.add_argument(
         "--workers",
         type=non_negative_int,
-        default=argparse.SUPPRESS,
         help="CPU DataLoader workers (default: the CPUs this process may use, minus one)",
     )
     gpu.add_argument(
         "--decode_workers", type=non_negative_int, default=4, help="workers reading bytes for GPU decoding"
     )
-    gpu.add_argument(
-        "--compile_backend",
-        default=argparse.SUPPRESS,
-        help="torch.compile backend (default: inductor on CUDA, eager on CPU)",
-    )
+    gpu.add_argument("--compile_backend", help="torch.compile backend (default: inductor on CUDA, eager on CPU)")
     gpu.add_argument(
         "--budget_s",
         type=non_negative_float,

@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import csv
 import gzip
+import hashlib
 import io
 import os
 import re
 import shutil
 import tarfile
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from tutorial_lib.cli import (
     format_size,
     positive_float,
     run_on_user_files,
+    user_path,
 )
 from tutorial_lib.core import (
     in_notebook,
@@ -183,40 +186,33 @@ def read_val_mapping(path: str | os.PathLike) -> dict[str, str]:
     return mapping
 
 # %% ../notebooks/07b_preparing_imagenet.ipynb #bfa9fdf8
-def _examples(items: Sequence[str], k: int = 3) -> str:
+def _examples(items: Collection[str], k: int = 3) -> str:
     return ", ".join(sorted(items)[:k]) + (", …" if len(items) > k else "")
+
+
+def _counted(*groups: tuple[Collection, str]) -> list[str]:
+    """`N what (a, b, c, …)` for each group that is not empty: how a refusal lists what it found."""
+    return [f"{len(items)} {what} ({_examples([str(x) for x in items])})" for items, what in groups if items]
 
 
 def _check_targets(todo: Sequence[tuple[Path, Path]], out: Path, val_dir: Path, link: bool) -> None:
     """Refuse, before the first move, every move of `todo` that could not be done or would leave `out`: a
     file already at the target, a class folder that is a file or a link (to anywhere), a folder we cannot write."""
-    taken, not_folders, links = [], set(), set()
-    for _, dst in todo:
-        folder = dst.parent
-        if folder.is_symlink():
-            links.add(folder)
-        elif folder.exists() and not folder.is_dir():
-            not_folders.add(folder)
-        elif dst.exists() or dst.is_symlink():
-            taken.append(str(dst))
-    problems = [
-        f"{len(items)} {what} ({_examples([str(p) for p in items])})"
-        for items, what in [
-            (taken, "targets already exist"),
-            (not_folders, "class folders are files"),
-            (links, "class folders are symbolic links, so images would land wherever they point"),
-        ]
-        if items
-    ]
+    folders = {dst.parent for _, dst in todo}  # each class folder checked once, not once per image
+    links = {f for f in folders if f.is_symlink()}
+    not_folders = {f for f in folders - links if f.exists() and not f.is_dir()}  # no target can exist inside these
+    taken = [dst for _, dst in todo if dst.parent not in links and (dst.exists() or dst.is_symlink())]
+    problems = _counted(
+        (taken, "targets already exist"),
+        (not_folders, "class folders are files"),
+        (links, "class folders are symbolic links, so images would land wherever they point"),
+    )
     if out.exists() and not out.is_dir():
         problems.append(f"{out} is a file, not a folder")
-    probe = out
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    writable = [probe, *sorted({d.parent for _, d in todo if d.parent.is_dir()})] + ([] if link else [val_dir])
+    probe = next((p for p in [out, *out.parents] if p.exists()), out)  # where `out` would be created
+    writable = [probe, *sorted(f for f in folders if f.is_dir())] + ([] if link else [val_dir])
     locked = [str(p) for p in writable if p.is_dir() and not os.access(p, os.W_OK | os.X_OK)]
-    if locked:
-        problems.append(f"{len(locked)} folders cannot be written ({_examples(locked)})")
+    problems += _counted((locked, "folders cannot be written"))
     if problems:
         raise DataLayoutError(
             f"cannot place every image in {out}: {'; '.join(problems)}; nothing was changed: "
@@ -277,28 +273,17 @@ def prepare_val(
             f"{len(duplicates)} images appear twice under {val_dir} (e.g. {_examples(duplicates)}): "
             "remove the copies, then run again"
         )
-    todo, done, missing, misplaced = [], 0, [], []
-    for stem, label in labels.items():
-        if stem in placed:
-            if placed[stem][0] == label:
-                done += 1
-            else:
-                misplaced.append(stem)
-        elif stem in flat:
-            todo.append((flat[stem], out / label / flat[stem].name))
-        else:
-            missing.append(stem)
+    done = sum(placed[s][0] == label for s, label in labels.items() if s in placed)  # already in their class folder
+    misplaced = [s for s, label in labels.items() if s in placed and placed[s][0] != label]
+    todo = [(flat[s], out / label / flat[s].name) for s, label in labels.items() if s in flat and s not in placed]
+    missing = [s for s in labels if s not in flat and s not in placed]
     unlabelled = [s for s in list(flat) + list(placed) if s not in labels]
-    if missing or unlabelled or misplaced:
-        problems = [
-            f"{len(items)} {what} ({_examples(items)})"
-            for items, what in [
-                (unlabelled, "images have no label"),
-                (missing, "labels have no image"),
-                (misplaced, "images sit in the wrong class folder"),
-            ]
-            if items
-        ]
+    problems = _counted(
+        (unlabelled, "images have no label"),
+        (missing, "labels have no image"),
+        (misplaced, "images sit in the wrong class folder"),
+    )
+    if problems:
         raise DataLayoutError(
             f"the mapping and {val_dir} disagree: {', '.join(problems)}; nothing was changed: "
             "check that the mapping is the ground truth of this validation folder"
@@ -342,9 +327,7 @@ SHARD_MB = 384  # default shard size: a few hundred files for ImageNet's ~150 GB
 
 def _check_free_space(folder: Path, needed: int, what: str) -> None:
     """Refuse to start a job that cannot fit in the free space of `folder`'s file system."""
-    probe = folder
-    while not probe.exists():
-        probe = probe.parent
+    probe = next((p for p in [folder, *folder.parents] if p.exists()), folder)  # where `folder` would be created
     free = shutil.disk_usage(probe).free
     if needed > free:
         raise DataSourceError(
@@ -432,11 +415,10 @@ def write_shards(
             for k, r in enumerate(ranges)
         ]
     shards = {p.name for p in out.glob("*.parquet") if not p.name.startswith(".")} if out.is_dir() else set()
-    stale = sorted(shards - {plan[-1] for plan in plans})
+    stale = shards - {plan[-1] for plan in plans}
     if stale:
         raise DataLayoutError(
-            f"{out} holds shards of another run ({', '.join(stale[:2])}{', …' if len(stale) > 2 else ''}): "
-            "delete them or choose another output folder"
+            f"{out} holds shards of another run ({_examples(stale, 2)}): delete them or choose another output folder"
         )
     todo = [plan for plan in plans if not _complete_shard(out / plan[-1], plan[4][1] - plan[4][0], schema)]
     needed = sum(sum(sizes[a:b]) for _, _, _, sizes, (a, b), _ in todo)
@@ -486,14 +468,12 @@ class Devkit:
 
 def _devkit_files(path: Path) -> tuple[bytes, bytes]:
     """The bytes of meta.mat and of the validation ground truth, from the devkit archive or the folder it unpacks to."""
-    names = ("meta.mat", "ILSVRC2012_validation_ground_truth.txt")
+    names = ("meta.mat", _GROUND_TRUTH)
     if path.is_dir():
         found = [next(path.rglob(n), None) for n in names]
-        if None in found:
-            raise DataLayoutError(
-                f"{path} has no {' or '.join(n for n, f in zip(names, found) if f is None)}: "
-                "it is not the ILSVRC2012 devkit"
-            )
+        missing = [n for n, f in zip(names, found) if f is None]
+        if missing:
+            raise DataLayoutError(f"{path} has no {' or '.join(missing)}: it is not the ILSVRC2012 devkit")
         return found[0].read_bytes(), found[1].read_bytes()
     try:
         with tarfile.open(path, "r:*") as tar:
@@ -509,11 +489,8 @@ def _devkit_files(path: Path) -> tuple[bytes, bytes]:
 def read_devkit(path: str | os.PathLike) -> Devkit:
     """Classes and validation ground truth of the ILSVRC2012 devkit, read as torchvision reads them (07b §3).
 
-    `path`: `ILSVRC2012_devkit_t12.tar.gz`, or the folder it unpacks to. The 1,000 classes are the
-    synsets of `meta.mat` without children (the others are their WordNet ancestors); needs `scipy`
-    (in the `hub` extra)."""
-    import hashlib
-
+    `path`: `ILSVRC2012_devkit_t12.tar.gz`, or the folder it unpacks to. The 1,000 classes are the synsets of
+    `meta.mat` without children (the others are their WordNet ancestors); needs `scipy` (in the `hub` extra)."""
     from torchvision.datasets.imagenet import ARCHIVE_META
 
     try:
@@ -534,23 +511,20 @@ def read_devkit(path: str | os.PathLike) -> Devkit:
     if sorted(by_id) != list(range(1, len(leaves) + 1)):
         raise DataLayoutError(f"{path}: the classes of meta.mat are not numbered 1…{len(leaves)}")
     wnids = [str(by_id[k]["WNID"]) for k in range(1, len(leaves) + 1)]
+
+    def unusable(what: str) -> DataLayoutError:
+        return DataLayoutError(f"{path}: {what}: this is not a usable devkit, download it again")
+
     for k, wnid in enumerate(wnids, start=1):  # they become folder names: the check every class name passes (§1)
         if _class_name_problem(wnid):
-            raise DataLayoutError(
-                f"{path}: meta.mat names class {k} {wnid!r}, which cannot be a class folder name "
-                f"({_class_name_problem(wnid)}): this is not a usable devkit, download it again"
+            raise unusable(
+                f"meta.mat names class {k} {wnid!r}, which cannot be a class folder name ({_class_name_problem(wnid)})"
             )
         if wnids.index(wnid) != k - 1:
-            raise DataLayoutError(
-                f"{path}: meta.mat names classes {wnids.index(wnid) + 1} and {k} both {wnid}: this "
-                "is not a usable devkit, download it again"
-            )
-    if not all(t.isdigit() and 1 <= int(t) <= len(wnids) for t in truth):
-        bad = next(t for t in truth if not (t.isdigit() and 1 <= int(t) <= len(wnids)))
-        raise DataLayoutError(
-            f"{path}: the validation ground truth holds {bad!r}, not a class number 1…{len(wnids)}: "
-            "this is not a usable devkit, download it again"
-        )
+            raise unusable(f"meta.mat names classes {wnids.index(wnid) + 1} and {k} both {wnid}")
+    bad = next((t for t in truth if not (t.isdigit() and 1 <= int(t) <= len(wnids))), None)
+    if bad is not None:
+        raise unusable(f"the validation ground truth holds {bad!r}, not a class number 1…{len(wnids)}")
     digest = hashlib.md5(path.read_bytes()).hexdigest() if path.is_file() else None
     return Devkit(
         wnids=wnids,
@@ -575,8 +549,6 @@ def _copy_member(tar, member, dst: Path) -> None:
 
 def _unpack_class(train_tar, member, folder: Path) -> int:
     """Unpack one class tar (a member of the train archive) into `folder`; returns the number of images."""
-    import tarfile
-
     count = 0
     with tarfile.open(fileobj=train_tar.extractfile(member), mode="r:") as inner:
         for m in inner:
@@ -588,8 +560,7 @@ def _unpack_class(train_tar, member, folder: Path) -> int:
 
 
 def _remove_leftover(path: Path) -> None:
-    """Remove what an interrupted run left (`.tmp-*`): a link or a file is unlinked (never followed), a
-    folder deleted."""
+    """Remove what an interrupted run left (`.tmp-*`): a link or file is unlinked (never followed), a folder deleted."""
     try:
         if path.is_symlink() or not path.is_dir():
             path.unlink()
@@ -610,10 +581,7 @@ def _own_file(path: Path, top: Path) -> bool:
 
 
 def verify_unpacked(out_dir: str | os.PathLike, devkit: Devkit) -> dict:
-    """Count the images `from_archives` wrote and compare them with the devkit (and, for the official devkit,
-    ILSVRC2012)."""
-    from collections import Counter
-
+    """Count the images `from_archives` wrote; compare them with the devkit (and the official one with ILSVRC2012)."""
     out = Path(out_dir)
     classes, train = scan_image_folder(out / "train")
     val_classes, val = scan_image_folder(out / "val")
@@ -646,11 +614,8 @@ def from_archives(
 ) -> dict:
     """Unpack the three official ILSVRC2012 archives into `out_dir/{train,val}/<wnid>/*.JPEG` (07b §3).
 
-    Checks before writing anything (files, classes, validation names, free disk), never changes the
-    archives, resumes after an interruption, shows progress and verifies the counts at the end.
-    Returns the counts."""
-    import tarfile
-
+    Checks before writing anything (files, classes, validation names, free disk), never changes the archives,
+    resumes after an interruption, shows progress and verifies the counts at the end. Returns the counts."""
     archive_dir, out = Path(archive_dir).expanduser(), Path(out_dir).expanduser()
     if not archive_dir.is_dir():
         raise MissingPathError(
@@ -676,8 +641,6 @@ def from_archives(
 def _unpack_archives(
     paths: dict[str, Path], devkit: Devkit, out: Path, log: Callable, progress_interval: float
 ) -> dict:
-    import tarfile
-
     classes = sorted(devkit.wnids)
     train_dir, val_dir, val_tmp = out / "train", out / "val", out / ".tmp-val"
     with tarfile.open(paths["train"], "r:") as train_tar, tarfile.open(paths["val"], "r:") as val_tar:
@@ -704,24 +667,21 @@ def _unpack_archives(
             m.name: val_tmp / devkit.wnids[devkit.val_ids[int(n.group(1)) - 1] - 1] / Path(m.name).name
             for m, n in zip(val_members, numbers)
         }
-        foreign = [
-            n
-            for n in (os.listdir(train_dir) if train_dir.is_dir() else [])
-            if n not in class_tars and not n.startswith(".tmp-")
-        ]
+        present = os.listdir(train_dir) if train_dir.is_dir() else []
+        foreign = [n for n in present if n not in class_tars and not n.startswith(".tmp-")]
         if foreign:
             raise DataLayoutError(
                 f"{train_dir} holds folders that are not classes of these archives ({foreign[:3]}): "
                 "choose an empty output folder"
             )
-        done = {w for w in classes if (train_dir / w).is_dir()}
+        train_left = [w for w in classes if not (train_dir / w).is_dir()]  # a class folder exists only once complete
         val_left = [] if val_dir.is_dir() else [m for m in val_members if not _own_file(val_dst[m.name], val_tmp)]
-        to_read = sum(class_tars[w].size for w in classes if w not in done) + sum(m.size for m in val_left)
-        files_left = sum(devkit.train_counts[w] for w in classes if w not in done) + len(val_left)
+        to_read = sum(class_tars[w].size for w in train_left) + sum(m.size for m in val_left)
+        files_left = sum(devkit.train_counts[w] for w in train_left) + len(val_left)
         needed = to_read + 4096 * files_left  # the images, plus up to one file-system block per file
         log(
             f"{paths['train'].parent}: {len(classes)} classes, {sum(devkit.train_counts.values()):,} train + "
-            f"{len(val_members):,} val images; already in {out}: {len(done)} classes"
+            f"{len(val_members):,} val images; already in {out}: {len(classes) - len(train_left)} classes"
             f"{' and val' if val_dir.is_dir() else ''}; needs {format_size(needed)} of disk"
         )
         _check_free_space(out, needed, "unpacking the archives")
@@ -730,9 +690,7 @@ def _unpack_archives(
         train_dir.mkdir(parents=True, exist_ok=True)
         for leftover in train_dir.glob(".tmp-*"):  # a class an interrupted run was unpacking: redone
             _remove_leftover(leftover)
-        for wnid in classes:
-            if wnid in done:
-                continue
+        for wnid in train_left:
             tmp = train_dir / f".tmp-{wnid}"
             tmp.mkdir()
             count = _unpack_class(train_tar, class_tars[wnid], tmp)
@@ -771,22 +729,23 @@ def get_args_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     command = lambda name, help: sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)  # noqa: E731
     prep = command("prepare-val", "sort a flat ILSVRC2012 val folder into class folders (dry run by default)")
-    prep.add_argument("val_dir", help="folder of ILSVRC2012_val_*.JPEG files")
+    prep.add_argument("val_dir", type=user_path, help="folder of ILSVRC2012_val_*.JPEG files")
     prep.add_argument(
         "mapping",
+        type=user_path,
         help="LOC_val_solution.csv (Kaggle), a text file of 'filename wnid' lines (also .gz), "
         "or the devkit ILSVRC2012_devkit_t12.tar.gz (its class numbers mapped to wnids by its meta.mat)",
     )
     prep.add_argument("--apply", action="store_true", help="do it (default: only print what would be done)")
     prep.add_argument("--link", action="store_true", help="symlink into --out instead of moving")
-    prep.add_argument("--out", default=None, help="folder for the class folders (default: VAL_DIR itself)")
+    prep.add_argument("--out", type=user_path, help="folder for the class folders (default: VAL_DIR itself)")
     shard = command("shard", "write a folder in the ImageNet layout as parquet shards (the Hub's schema)")
-    shard.add_argument("src", help="folder that holds train/ and val/")
-    shard.add_argument("out", help="output folder; the shards go into OUT/data/")
+    shard.add_argument("src", type=user_path, help="folder that holds train/ and val/")
+    shard.add_argument("out", type=user_path, help="output folder; the shards go into OUT/data/")
     shard.add_argument("--shard_mb", type=positive_float, default=SHARD_MB, help="MB of images per shard")
     archives = command("from-archives", "unpack the official ILSVRC2012 archives into class folders")
-    archives.add_argument("archive_dir", help="folder that holds " + ", ".join(OFFICIAL_ARCHIVES))
-    archives.add_argument("out", help="output folder; train/ and val/ go there")
+    archives.add_argument("archive_dir", type=user_path, help="folder that holds " + ", ".join(OFFICIAL_ARCHIVES))
+    archives.add_argument("out", type=user_path, help="output folder; train/ and val/ go there")
     for each in (shard, archives):
         each.add_argument(
             "--progress_interval",
@@ -800,9 +759,6 @@ def get_args_parser() -> argparse.ArgumentParser:
 def run_command(args: argparse.Namespace) -> int | None:
     """What `python -m tutorial_lib.data` does with its flags. The files it is given are the user's: a missing or
     unreadable one, a malformed mapping or a full disk is a `UserError` (one line, exit status 2)."""
-    for key in ("val_dir", "mapping", "out", "src", "archive_dir"):  # "~/imagenet", quoted: as the shell would
-        if getattr(args, key, None):
-            setattr(args, key, os.path.expanduser(getattr(args, key)))
 
     def act() -> None:
         if args.command == "prepare-val":
