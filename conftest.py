@@ -39,34 +39,11 @@ def fresh_accelerate_state():
         state.GradientState._reset_state()
 
 
-# The files that take longest, run first: with `--dist loadfile` each file goes to one worker as a whole, and a long
-# file started last would leave the other worker idle until it ends. Short files then fill the end.
-LONGEST_FIRST = (
-    "notebooks/11b_",
-    "tests/test_simple_train.py",
-    "tests/test_launch_signals.py",
-    "notebooks/08_",
-    "tests/test_reliability",
-    "tests/test_results.py",
-    "notebooks/",
-    "tests/test_train_distributed.py",
-    "tests/test_stress.py",
-    "tests/test_environment.py",
-)
-
-
-def run_order(item) -> int:
-    """Where `item`'s file comes in `LONGEST_FIRST` (after all of them if it is not there)."""
-    return next((i for i, prefix in enumerate(LONGEST_FIRST) if item.nodeid.startswith(prefix)), len(LONGEST_FIRST))
-
-
 def pytest_collection_modifyitems(config, items):
-    """Notebooks train and launch processes: they are `slow` too (`pytest -m "not slow"` is the fast inner loop).
-    Every process of the session sorts the items the same way (a stable sort), as pytest-xdist requires."""
+    """Notebooks train and launch processes: they are `slow` too (`pytest -m "not slow"` is the fast inner loop)."""
     for item in items:
         if item.nodeid.endswith(".ipynb") or ".ipynb::" in item.nodeid:
             item.add_marker(pytest.mark.slow)
-    items.sort(key=run_order)
 
 
 def pytest_sessionfinish(session, exitstatus):
