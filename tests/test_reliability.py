@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from train_helpers import assert_user_error
+from train_helpers import CASE_RUN, assert_user_error
 
 from tutorial_lib.checkpoints import (
     MANIFEST,
@@ -44,18 +44,7 @@ from tutorial_lib.sources import IMG_EXTENSIONS
 pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = dict(
-    model="tinycnn",
-    img_size=16,
-    epochs=1,
-    batch_size=4,
-    learning_rate=0.05,
-    num_workers=0,
-    cpu=True,
-    log_with="none",
-    disable_progress_bar=True,
-    log_interval=0,
-)
+TINY = CASE_RUN  # one epoch of tinycnn, batch 4 (train_helpers)
 
 
 @pytest.fixture(scope="module")

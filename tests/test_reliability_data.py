@@ -44,6 +44,19 @@ EMBEDDED = embedded_data_path()
 PICTURES = sorted((EMBEDDED / "val" / "dog").iterdir())
 
 
+# One epoch of tinycnn on a parquet source: what the training script's parquet refusals below run.
+PARQUET_RUN = dict(
+    model="tinycnn",
+    img_size=16,
+    epochs=1,
+    batch_size=4,
+    num_workers=0,
+    cpu=True,
+    log_with="none",
+    disable_progress_bar=True,
+)
+
+
 @pytest.fixture(autouse=True)
 def private_datasets_cache(tmp_path_factory, monkeypatch):
     """The Arrow copies of parquet go to a temporary folder, not ~/.cache; no Hub call can happen."""
@@ -367,19 +380,12 @@ def test_training_script_refuses_a_parquet_validation_split_with_other_class_nam
     source = parquet_data(tmp_path / "pq", val_names=OTHER_ORDER)
     done = run_cli(
         as_flags(
-            dict(
-                model="tinycnn",
-                img_size=16,
-                epochs=1,
-                batch_size=4,
-                num_workers=0,
-                cpu=True,
-                log_with="none",
-                disable_progress_bar=True,
-                path_to_data=source,
-                working_directory=tmp_path / "runs",
-                experiment_name="swapped",
-            )
+            {
+                **PARQUET_RUN,
+                "path_to_data": source,
+                "working_directory": tmp_path / "runs",
+                "experiment_name": "swapped",
+            }
         ),
         timeout=180,
     )
@@ -411,19 +417,7 @@ def test_training_script_refuses_a_parquet_label_out_of_range_in_one_line(tmp_pa
     source = parquet_data(tmp_path / "pq", train_rows=rows)
     done = run_cli(
         as_flags(
-            dict(
-                model="tinycnn",
-                img_size=16,
-                epochs=1,
-                batch_size=4,
-                num_workers=0,
-                cpu=True,
-                log_with="none",
-                disable_progress_bar=True,
-                path_to_data=source,
-                working_directory=tmp_path / "runs",
-                experiment_name="label7",
-            )
+            {**PARQUET_RUN, "path_to_data": source, "working_directory": tmp_path / "runs", "experiment_name": "label7"}
         ),
         timeout=180,
     )
@@ -461,19 +455,12 @@ def test_a_damaged_parquet_file_is_one_line_naming_it_without_the_librarys_own(t
     (source / "data" / "train-00000-of-00001.parquet").write_bytes(b"PAR1 cut short")
     done = run_cli(
         as_flags(
-            dict(
-                model="tinycnn",
-                img_size=16,
-                epochs=1,
-                batch_size=4,
-                num_workers=0,
-                cpu=True,
-                log_with="none",
-                disable_progress_bar=True,
-                path_to_data=source,
-                working_directory=tmp_path / "runs",
-                experiment_name="damaged",
-            )
+            {
+                **PARQUET_RUN,
+                "path_to_data": source,
+                "working_directory": tmp_path / "runs",
+                "experiment_name": "damaged",
+            }
         ),
         timeout=180,
     )

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from train_helpers import assert_user_error
+from train_helpers import CASE_RUN, assert_user_error
 
 from tutorial_lib.checkpoints import MANIFEST, latest_checkpoint, list_checkpoints, sha256_file
 from tutorial_lib.cli import as_flags
@@ -24,18 +24,7 @@ from tutorial_lib.processes import CliResult, can_mount_small_disk, child_env, m
 
 pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
 
-TINY = dict(
-    model="tinycnn",
-    img_size=16,
-    epochs=1,
-    batch_size=4,
-    learning_rate=0.05,
-    num_workers=0,
-    cpu=True,
-    log_with="none",
-    disable_progress_bar=True,
-    log_interval=0,
-)
+TINY = CASE_RUN  # one epoch of tinycnn, batch 4 (train_helpers)
 FRESH_RUN_REFUSAL = (
     "already holds a run (checkpoints, metrics.jsonl, model.safetensors, final_metrics.json): resume "
     "it with --resume_from_checkpoint latest, give this run another --experiment_name, or pass "

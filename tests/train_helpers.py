@@ -18,6 +18,20 @@ from tutorial_lib.core import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# One epoch of tinycnn at batch 4 on the data a case gives it: the runs of the reliability cases.
+CASE_RUN = dict(
+    model="tinycnn",
+    img_size=16,
+    epochs=1,
+    batch_size=4,
+    learning_rate=0.05,
+    num_workers=0,
+    cpu=True,
+    log_with="none",
+    disable_progress_bar=True,
+    log_interval=0,
+)
+
 # 80 training images: 10 batches of 8 or 5 batches of 16; 37 validation images divide by nothing.
 TINY = dict(
     model="tinycnn",
