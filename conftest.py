@@ -59,7 +59,10 @@ def pytest_unconfigure(config):
 
     At exit Python joins non-daemon threads and multiprocessing children: one child stuck in a
     collective would keep the finished run waiting forever. After `EXIT_GRACE_S` a daemon thread
-    prints every thread's stack and leaves with the session's own status."""
+    prints every thread's stack and leaves with the session's own status. Only the main pytest process does this:
+    an xdist worker that is done first waits, idle, for the others."""
+    if hasattr(config, "workerinput"):
+        return  # a pytest-xdist worker waits here for the other workers; xdist ends it if it cannot exit
     status = config.stash.get(_EXIT_STATUS, 1)
 
     def leave():
