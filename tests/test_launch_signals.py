@@ -214,6 +214,32 @@ def test_a_signal_to_a_notebook_launcher_process_checkpoints_and_resumes_identic
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["python", "accelerate_1gpu"])
+def test_a_sigterm_while_a_finished_run_exits_ends_it_with_its_own_status(tmp_path, data, launcher):
+    """The training is over and its status recorded; a SIGTERM now (a scheduler's, at the end of the job's time) has
+    nothing to stop: the process finishes with status 0 instead of dying of the signal, which torchrun's agent
+    (`1gpu.yaml`) would report as a failed launch with no status recorded."""
+    logs = tmp_path / "logs" / "run"
+    status_file = Path(f"{logs}.status")  # where TrainingProcess points an accelerate launch's status too
+    flags = as_flags(
+        {**BASE, "epochs": 1, "path_to_data": data, "working_directory": tmp_path / "runs", "experiment_name": "run"}
+    )
+    proc = TrainingProcess(flags, logs, launcher, env={**child_env(), EXIT_STATUS_ENV: str(status_file)})
+    deadline = time.time() + 240
+    while read_exit_status(status_file) is None and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.001)
+    assert read_exit_status(status_file) == 0 and proc.poll() is None, proc.result(10).stderr[-3000:]
+    os.kill(proc.pid, signal.SIGTERM)  # the process is on its way out: its status is written
+    done = proc.result(120)
+    assert done.returncode == 0, (done.returncode, done.launcher_returncode, done.stderr[-3000:])
+    assert "stopped at optimizer step" not in done.stdout and not done.script_traceback, done.stderr[-3000:]
+    assert (tmp_path / "runs" / "run" / "model.safetensors").exists()
+    if launcher == "python":  # the signal reached the script itself, which said so
+        late = "tutorial-train: SIGTERM after the training was over: nothing to stop, finishing"
+        assert late in done.stderr_lines, done.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_launch_with_timeout_puts_back_the_signal_handlers_torchs_agent_installs(tmp_path):
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     launch_with_timeout(os.getpid, (), num_processes=2, timeout=120)

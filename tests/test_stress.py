@@ -103,6 +103,12 @@ def test_a_sigterm_must_end_in_exit_143_after_a_checkpoint_of_the_step_it_names(
     assert sigterm_problem(KillRecord(plan, True, complete_step=36, exit_code=-15), final_step=36) == "", (
         "training was over and its last checkpoint complete: the signal only ended the process on its way out"
     )
+    assert sigterm_problem(KillRecord(plan, True, complete_step=36, exit_code=0), final_step=36) == "", (
+        "training was over: the command line finished with the run's status"
+    )
+    assert "exit 0" in sigterm_problem(KillRecord(plan, True, complete_step=12, exit_code=0), final_step=36), (
+        "a run that went on to the end after SIGTERM mid-training ignored it"
+    )
     assert "newest complete checkpoint is step 12" in sigterm_problem(
         KillRecord(plan, True, complete_step=12, exit_code=143, stopped_at=14), final_step=36
     )

@@ -877,6 +877,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'tutorial_lib.train.epoch_row': ('production_script.html#epoch_row', 'tutorial_lib/train.py'),
                                     'tutorial_lib.train.error_line': ('production_script.html#error_line', 'tutorial_lib/train.py'),
                                     'tutorial_lib.train.evaluate': ('production_script.html#evaluate', 'tutorial_lib/train.py'),
+                                    'tutorial_lib.train.finish_despite_late_signals': ( 'production_script.html#finish_despite_late_signals',
+                                                                                        'tutorial_lib/train.py'),
                                     'tutorial_lib.train.finish_run': ('production_script.html#finish_run', 'tutorial_lib/train.py'),
                                     'tutorial_lib.train.load_data': ('production_script.html#load_data', 'tutorial_lib/train.py'),
                                     'tutorial_lib.train.log_step': ('production_script.html#log_step', 'tutorial_lib/train.py'),

@@ -327,17 +327,19 @@ class StopRequest:
     """SIGTERM or SIGUSR1 (what SLURM and Kubernetes send before they kill a job) and Ctrl-C (SIGINT), turned into a
     clean stop (06b, 11).
 
-    The signal handler only sets a flag; after each optimizer step the loop asks `requested(step)`, then
-    checkpoints and stops. With several processes all must stop at the same step, so the flag is summed over
-    the processes every `every` optimizer steps (one tiny all-reduce and one host sync), and every process
-    learns that some process was asked to stop. A second Ctrl-C stops at once: `StopAtOnce` (a
-    `KeyboardInterrupt`) is raised wherever the process is, nothing saved. A SIGINT within `same_press` seconds
-    of the first is that same Ctrl-C arriving twice (a terminal sends it to every process of its foreground
-    group, and a launcher there passes it on again). A forked child (a data loader worker) that inherited the
-    handler ignores the signals: the process that entered decides. Use it as a context manager: the previous
-    handlers are back at exit. `exit_status` is what a process killed by the signal would return (128 + its
-    number: 143 SIGTERM, 138 SIGUSR1, 130 SIGINT), so a scheduler still sees a terminated job, with its
-    checkpoint saved."""
+    The signal handler only sets a flag; after each optimizer step the loop asks `requested(step)`, then checkpoints
+    and stops. With several processes all must stop at the same step, so the flag is summed over the processes every
+    `every` optimizer steps (one tiny all-reduce and one host sync), and every process learns that some process was
+    asked to stop. A second Ctrl-C stops at once: `StopAtOnce` (a `KeyboardInterrupt`) is raised wherever the
+    process is, nothing saved. A SIGINT within `same_press` seconds of the first is that same Ctrl-C arriving twice
+    (a terminal sends it to every process of its foreground group, and a launcher there passes it on again). A
+    forked child (a data loader worker) that inherited the handler ignores the signals: the process that entered
+    decides. Use it as a context manager: the previous handlers are back at exit, and `StopRequest.closed_in` names
+    the process whose training is over. `exit_status` is what a process killed by the signal would return (128 + its
+    number: 143 SIGTERM, 138 SIGUSR1, 130 SIGINT), so a scheduler still sees a terminated job, with its checkpoint
+    saved."""
+
+    closed_in: int | None = None  # the process whose last StopRequest has closed
 
     def __init__(
         self,
@@ -365,6 +367,7 @@ class StopRequest:
         for name, handler in self._previous.items():
             signal.signal(getattr(signal, name), handler)
         self._previous = {}
+        StopRequest.closed_in = os.getpid()  # for a command line's handler of signals that come after (08b)
 
     def _handle(self, signum, frame) -> None:
         if os.getpid() != self._owner:  # a forked data loader worker: its parent process decides

@@ -288,13 +288,15 @@ def _read_rows(path: Path) -> list[dict]:
 # %% ../notebooks/11b_stress_harness.ipynb #bd99f019
 def sigterm_problem(kill: KillRecord, final_step: int) -> str:
     """What is wrong with how a run ended after SIGTERM, or Ctrl-C for a `sigint` plan ("" if nothing). During
-    training it must exit 143 (130) after saving a checkpoint of the step it names, the newest complete one. A run
-    whose training is over (its checkpoint of `final_step` is complete) may also be ended by the signal on its way
-    out: killed by it (exit -15 here, 143 in a shell) or with its status and no step named, and nothing is lost."""
+    training it must exit 143 (130) after saving a checkpoint of the step it names, the newest complete one. A
+    signal that comes once the training is over (its checkpoint of `final_step` is complete) has nothing to stop:
+    the run ends with its own status (0, or 143 from the training's handler) and names no step (08b's
+    `finish_despite_late_signals`), or, in the instant between the training's handlers and that one, dies of it
+    (exit -15 here, 143 in a shell). Nothing is lost either way."""
     signum = POLITE.get(kill.plan.kind, signal.SIGTERM)
     name, status = signal.Signals(signum).name, 128 + signum
     if kill.complete_step == final_step and (
-        kill.exit_code == -signum or (kill.exit_code == status and kill.stopped_at is None)
+        kill.exit_code == -signum or (kill.exit_code in (0, status) and kill.stopped_at is None)
     ):
         return ""
     if kill.exit_code != status:

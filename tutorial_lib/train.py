@@ -112,7 +112,7 @@ from tutorial_lib.transforms import (
 __all__ = ['TIMING_KEYS', 'WATCHED_FLAGS', 'SHARED_ERRORS', 'Run', 'EpochResult', 'train_step', 'train_one_epoch', 'log_step',
            'save_run_checkpoint', 'evaluate', 'load_data', 'build_optimizer', 'build_training_scheduler', 'setup_run',
            'resume_run', 'open_outputs', 'train_and_evaluate', 'report_skips', 'epoch_row', 'finish_run', 'train',
-           'error_line', 'main', 'run_command']
+           'error_line', 'main', 'run_command', 'finish_despite_late_signals']
 
 # %% ../notebooks/08b_production_script.ipynb #513e2408
 @dataclass
@@ -709,8 +709,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     """Train with the parsed flags; return the exit status: 0, or 128 + the signal after a polite stop (06b)."""
+    finish_despite_late_signals()  # before `train`, which restores them when its training is over
     try:
-        return train(args)["exit_status"]
+        status = train(args)["exit_status"]
     except KeyboardInterrupt as err:  # a second Ctrl-C (06b's StopAtOnce), or Ctrl-C outside the training loop
         if is_main_process():
             if isinstance(err, StopAtOnce):
@@ -722,7 +723,40 @@ def run_command(args: argparse.Namespace) -> int:
             else:
                 line = "interrupted by Ctrl-C outside the training loop: nothing in progress to save"
             print(f"tutorial-train: {line}", file=sys.stderr, flush=True)
-        return 128 + signal.SIGINT
+        status = 128 + signal.SIGINT
+    return status
+
+
+def finish_despite_late_signals() -> None:
+    """Signals for a command line around `train`, installed before it: until the training is over they do what they
+    did before (SIGTERM kills, Ctrl-C interrupts); `train`'s `StopRequest` handles them during the training (06b);
+    once it has closed, the checkpoints and outputs are written and a SIGTERM, SIGUSR1 or Ctrl-C that comes while
+    the process records its status and exits has nothing left to stop. It is said in one line and the process
+    ends with its own status instead of dying of the signal, which torchrun's agent (`1gpu.yaml`, 2 processes)
+    would report as a failed launch with no status recorded (11b). The command line only: a notebook's kernel keeps
+    its own handlers."""
+    names = [name for name in ("SIGTERM", "SIGUSR1", "SIGINT") if hasattr(signal, name)]
+    before = {name: signal.getsignal(getattr(signal, name)) for name in names}
+
+    def handle(signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if StopRequest.closed_in != os.getpid():  # no training over yet in this process: as without this handler
+            if callable(before[name]):
+                before[name](signum, frame)  # Ctrl-C: Python's KeyboardInterrupt
+            elif before[name] == signal.SIG_DFL:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)  # dies of it, as it would have
+            return
+        if is_main_process():
+            try:  # straight to the file descriptor: the handler may interrupt another write to sys.stderr
+                os.write(
+                    2, f"tutorial-train: {name} after the training was over: nothing to stop, finishing\n".encode()
+                )
+            except OSError:
+                pass
+
+    for name in names:
+        signal.signal(getattr(signal, name), handle)
 
 # %% ../notebooks/08b_production_script.ipynb #02514715
 if __name__ == "__main__" and not in_notebook():
