@@ -301,6 +301,30 @@ def test_main_records_its_exit_status_for_job_scripts(tmp_path, monkeypatch):
     assert exit_.value.code == 2 and read_exit_status(status_file) == 2
 
 
+def test_main_keeps_its_late_signal_handlers_only_as_the_processs_own_command_line(tmp_path, monkeypatch):
+    """`main()` (the process's command line) leaves `finish_despite_late_signals`'s handlers for the process's exit;
+    `main(argv)` called from Python (a notebook, a test) puts the caller's handlers back."""
+    from tutorial_lib.train import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    names = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    before = {s: signal.getsignal(s) for s in names}
+    argv = ["--path_to_data", str(tmp_path / "missing"), "--cpu", "--log_with", "none"]
+    argv += ["--working_directory", str(tmp_path / "runs")]  # refused in `train`, after the handlers are installed
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and {s: signal.getsignal(s) for s in names} == before
+        monkeypatch.setattr(sys, "argv", ["tutorial-train", *argv])
+        with pytest.raises(SystemExit) as exit_:
+            main()
+        kept = {s: getattr(signal.getsignal(s), "__qualname__", "") for s in names}
+        assert exit_.value.code == 2 and all("finish_despite_late_signals" in q for q in kept.values()), kept
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
 def test_process_0s_recorded_status_wins_and_others_only_fill_an_empty_place(tmp_path, monkeypatch):
     status_file = tmp_path / "status"
     monkeypatch.setenv(EXIT_STATUS_ENV, str(status_file))

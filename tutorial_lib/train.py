@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,10 +110,10 @@ from tutorial_lib.transforms import (
 )
 
 # %% auto #0
-__all__ = ['TIMING_KEYS', 'WATCHED_FLAGS', 'SHARED_ERRORS', 'Run', 'EpochResult', 'train_step', 'train_one_epoch', 'log_step',
-           'save_run_checkpoint', 'evaluate', 'load_data', 'build_optimizer', 'build_training_scheduler', 'setup_run',
-           'resume_run', 'open_outputs', 'train_and_evaluate', 'report_skips', 'epoch_row', 'finish_run', 'train',
-           'error_line', 'main', 'run_command', 'finish_despite_late_signals']
+__all__ = ['TIMING_KEYS', 'WATCHED_FLAGS', 'SHARED_ERRORS', 'LATE_SIGNALS', 'Run', 'EpochResult', 'train_step', 'train_one_epoch',
+           'log_step', 'save_run_checkpoint', 'evaluate', 'load_data', 'build_optimizer', 'build_training_scheduler',
+           'setup_run', 'resume_run', 'open_outputs', 'train_and_evaluate', 'report_skips', 'epoch_row', 'finish_run',
+           'train', 'error_line', 'main', 'run_command', 'finish_despite_late_signals']
 
 # %% ../notebooks/08b_production_script.ipynb #513e2408
 @dataclass
@@ -687,6 +688,7 @@ def error_line(err: BaseException) -> str:
 
 # Raised the same way on every process (the same flags, or a decision all processes took together): process 0 says it
 SHARED_ERRORS = (BadFlagError, LaunchError, RunFolderError, NonFiniteLossError, DiskFullError)
+LATE_SIGNALS = tuple(name for name in ("SIGTERM", "SIGUSR1", "SIGINT") if hasattr(signal, name))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -694,17 +696,24 @@ def main(argv: list[str] | None = None) -> None:
     line and exits 2, a NaN/Inf loss 3, no traceback (11b), said once per launch; SIGTERM/SIGUSR1 and Ctrl-C
     checkpoint and exit 143/138/130; a second Ctrl-C stops at once (130). Bugs keep their traceback. The status
     also goes to `$TUTORIAL_EXIT_STATUS_FILE` when set (06c's `record_exit_status`): `accelerate launch` reports 1
-    for all."""
-    cli_main(
-        get_args_parser(),
-        run_command,
-        argv,
-        process=process_index(),
-        shared=SHARED_ERRORS,
-        exit_statuses={NonFiniteLossError: 3},
-        line=error_line,
-        on_exit=record_exit_status,
-    )
+    for all. As the process's own command line (`argv` None) it keeps `finish_despite_late_signals`'s handlers
+    until the process exits; called with `argv` from Python (a notebook, a test) it puts the caller's back."""
+    handlers = {name: signal.getsignal(getattr(signal, name)) for name in LATE_SIGNALS}
+    try:
+        cli_main(
+            get_args_parser(),
+            run_command,
+            argv,
+            process=process_index(),
+            shared=SHARED_ERRORS,
+            exit_statuses={NonFiniteLossError: 3},
+            line=error_line,
+            on_exit=record_exit_status,
+        )
+    finally:
+        if argv is not None and threading.current_thread() is threading.main_thread():
+            for name, handler in handlers.items():
+                signal.signal(getattr(signal, name), handler)
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -735,8 +744,9 @@ def finish_despite_late_signals() -> None:
     ends with its own status instead of dying of the signal, which torchrun's agent (`1gpu.yaml`, 2 processes)
     would report as a failed launch with no status recorded (11b). The command line only: a notebook's kernel keeps
     its own handlers."""
-    names = [name for name in ("SIGTERM", "SIGUSR1", "SIGINT") if hasattr(signal, name)]
-    before = {name: signal.getsignal(getattr(signal, name)) for name in names}
+    if threading.current_thread() is not threading.main_thread():
+        return  # Python sets signal handlers in the main thread only; elsewhere the caller's stay
+    before = {name: signal.getsignal(getattr(signal, name)) for name in LATE_SIGNALS}
 
     def handle(signum, frame) -> None:
         name = signal.Signals(signum).name
@@ -755,7 +765,7 @@ def finish_despite_late_signals() -> None:
             except OSError:
                 pass
 
-    for name in names:
+    for name in LATE_SIGNALS:
         signal.signal(getattr(signal, name), handle)
 
 # %% ../notebooks/08b_production_script.ipynb #02514715
