@@ -170,10 +170,8 @@ def _fork_child(
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     from importlib import import_module
 
-    command = import_module(module)
-    sys.argv = [command.__file__, *argv]  # what `python -m <module>` sets: its main reads its own command line
     # as `sys.exit(main())` ends a script: the course's mains (00a's cli_main) return None or raise SystemExit(status)
-    raise SystemExit(command.main())
+    raise SystemExit(import_module(module).main(argv))
 
 # %% ../notebooks/11a_training_processes.ipynb #ec21f6b3
 def enter_small_disk(folder: str | os.PathLike, size: str) -> None:
