@@ -19,6 +19,7 @@ import types
 from pathlib import Path
 
 import pytest
+from train_helpers import CASE_RUN
 
 from tutorial_lib.checkpoints import latest_checkpoint, list_checkpoints, sha256_file
 from tutorial_lib.cli import as_flags, config_path
@@ -33,18 +34,7 @@ from tutorial_lib.processes import CliResult, TrainingProcess, _running, child_e
 from tutorial_lib.runs import StopAtOnce, StopRequest
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = dict(
-    model="tinycnn",
-    img_size=16,
-    batch_size=4,
-    learning_rate=0.05,
-    num_workers=0,
-    cpu=True,
-    log_with="none",
-    disable_progress_bar=True,
-    log_interval=0,
-)
-LONG = dict(BASE, epochs=40)  # 6 optimizer steps per epoch on one process: a signal lands during training
+LONG = dict(CASE_RUN, epochs=40)  # 6 optimizer steps per epoch on one process: a signal lands during training
 ONE_PROCESS = ("accelerate", "accelerate_1gpu")  # `--num_processes 1` (plain subprocess), 1gpu.yaml (torchrun's agent)
 STOPPED = "checkpoint saved, resume with --resume_from_checkpoint latest"
 
@@ -222,7 +212,7 @@ def test_a_sigterm_while_a_finished_run_exits_ends_it_with_its_own_status(tmp_pa
     logs = tmp_path / "logs" / "run"
     status_file = Path(f"{logs}.status")  # where TrainingProcess points an accelerate launch's status too
     flags = as_flags(
-        {**BASE, "epochs": 1, "path_to_data": data, "working_directory": tmp_path / "runs", "experiment_name": "run"}
+        {**CASE_RUN, "path_to_data": data, "working_directory": tmp_path / "runs", "experiment_name": "run"}
     )
     proc = TrainingProcess(flags, logs, launcher, env={**child_env(), EXIT_STATUS_ENV: str(status_file)})
     deadline = time.time() + 240
@@ -273,7 +263,7 @@ def test_the_scripts_exit_status_and_one_line_survive_accelerate_launch(tmp_path
     done = run_cli(
         as_flags(
             {
-                **BASE,
+                **CASE_RUN,
                 "epochs": 2,
                 **options,
                 "path_to_data": data,
@@ -436,7 +426,7 @@ def test_ctrl_c_in_a_terminal_checkpoints_exits_130_with_one_line_and_resumes_id
 def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint_in_one_line(tmp_path):
     """12 micro-batches of ResNet18 at 128 px make the first optimizer step last seconds: time to press again."""
     data = make_image_folder(tmp_path / "data")  # 96 training images: 12 batches of 8, one optimizer step per epoch
-    slow = dict(BASE, model="resnet18", img_size=128, batch_size=8, gradient_accumulation_steps=12, epochs=1)
+    slow = dict(CASE_RUN, model="resnet18", img_size=128, batch_size=8, gradient_accumulation_steps=12, epochs=1)
     proc = start(tmp_path, data, "slow", "python", slow)
     config, deadline = tmp_path / "runs" / "slow" / "config.json", time.time() + 240
     while not config.exists() and proc.poll() is None and time.time() < deadline:
