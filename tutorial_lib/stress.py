@@ -291,8 +291,8 @@ def sigterm_problem(kill: KillRecord, final_step: int) -> str:
     training it must exit 143 (130) after saving a checkpoint of the step it names, the newest complete one. A
     signal that comes once the training is over (its checkpoint of `final_step` is complete) has nothing to stop:
     the run ends with its own status (0, or 143 from the training's handler) and names no step (08b's
-    `finish_despite_late_signals`), or, in the instant between the training's handlers and that one, dies of it
-    (exit -15 here, 143 in a shell). Nothing is lost either way."""
+    `finish_despite_late_signals`), or, forked by the `fork` launcher, whose `main(argv)` puts the caller's handlers
+    back when it returns, dies of it on its way out (exit -15 here, 143 in a shell). Nothing is lost either way."""
     signum = POLITE.get(kill.plan.kind, signal.SIGTERM)
     name, status = signal.Signals(signum).name, 128 + signum
     if kill.complete_step == final_step and (
