@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from train_helpers import assert_user_error, exit_status
+from train_helpers import CASE_RUN, assert_user_error, exit_status
 
 import tutorial_lib.data as data_module
 from tutorial_lib.cli import as_flags
@@ -42,19 +42,6 @@ from tutorial_lib.sources import (
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = embedded_data_path()
 PICTURES = sorted((EMBEDDED / "val" / "dog").iterdir())
-
-
-# One epoch of tinycnn on a parquet source: what the training script's parquet refusals below run.
-PARQUET_RUN = dict(
-    model="tinycnn",
-    img_size=16,
-    epochs=1,
-    batch_size=4,
-    num_workers=0,
-    cpu=True,
-    log_with="none",
-    disable_progress_bar=True,
-)
 
 
 @pytest.fixture(autouse=True)
@@ -381,7 +368,7 @@ def test_training_script_refuses_a_parquet_validation_split_with_other_class_nam
     done = run_cli(
         as_flags(
             {
-                **PARQUET_RUN,
+                **CASE_RUN,
                 "path_to_data": source,
                 "working_directory": tmp_path / "runs",
                 "experiment_name": "swapped",
@@ -417,7 +404,7 @@ def test_training_script_refuses_a_parquet_label_out_of_range_in_one_line(tmp_pa
     source = parquet_data(tmp_path / "pq", train_rows=rows)
     done = run_cli(
         as_flags(
-            {**PARQUET_RUN, "path_to_data": source, "working_directory": tmp_path / "runs", "experiment_name": "label7"}
+            {**CASE_RUN, "path_to_data": source, "working_directory": tmp_path / "runs", "experiment_name": "label7"}
         ),
         timeout=180,
     )
@@ -456,7 +443,7 @@ def test_a_damaged_parquet_file_is_one_line_naming_it_without_the_librarys_own(t
     done = run_cli(
         as_flags(
             {
-                **PARQUET_RUN,
+                **CASE_RUN,
                 "path_to_data": source,
                 "working_directory": tmp_path / "runs",
                 "experiment_name": "damaged",
