@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from train_helpers import CASE_RUN
 
-from tutorial_lib.checkpoints import latest_checkpoint, list_checkpoints, sha256_file
+from tutorial_lib.checkpoints import latest_checkpoint, list_checkpoints, sha256_file, verify_checkpoint
 from tutorial_lib.cli import as_flags, config_path
 from tutorial_lib.launching import (
     EXIT_STATUS_ENV,
@@ -126,6 +126,8 @@ def test_sigterm_to_a_two_process_accelerate_launch_checkpoints_exits_143_and_re
     proc.terminate(signal.SIGTERM, 300)
     stopped = proc.result(10)
     assert stopped.returncode == 143 and stopped.launcher_returncode == 1, (stopped.returncode, stopped.stderr[-3000:])
+    manifest = verify_checkpoint(latest_checkpoint(tmp_path / "runs" / "run"))
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(manifest["files"]), "both processes saved their state"
     assert_checkpointed_and_resumes_identically(
         tmp_path, data, "run", "accelerate_2proc", stopped, "SIGTERM", straight[2]
     )

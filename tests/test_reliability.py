@@ -889,49 +889,6 @@ def test_several_trackers_at_once_and_none_alone(tmp_path, data):
     )
 
 
-def test_sigterm_to_accelerate_launch_stops_both_processes_after_the_same_step_with_a_checkpoint(tmp_path, data):
-    """What a scheduler does to a multi-process job: SIGTERM to the launcher, which passes it to its processes."""
-    from tutorial_lib.core import free_port
-
-    options = {
-        **TINY,
-        "path_to_data": data,
-        "working_directory": tmp_path / "runs",
-        "experiment_name": "ddp",
-        "epochs": 200,
-        "batch_size": 2,
-        "checkpoint_every_steps": 1000,
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--main_process_port",
-        str(free_port()),
-        "-m",
-        "tutorial_lib.train",
-        *as_flags(options),
-    ]
-    with open(tmp_path / "out.log", "w") as out, open(tmp_path / "err.log", "w") as err:
-        launch = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=out, stderr=err)
-        metrics, deadline = tmp_path / "runs" / "ddp" / "metrics.jsonl", time.time() + 180
-        while not (metrics.exists() and metrics.read_text().strip()) and time.time() < deadline:
-            time.sleep(0.1)
-        launch.send_signal(signal.SIGTERM)
-        launch.wait(timeout=120)
-    stdout = (tmp_path / "out.log").read_text()
-    stops = [line for line in stdout.splitlines() if line.startswith("stopped at optimizer step")]
-    assert len(stops) == 1 and "(SIGTERM)" in stops[0], stdout[-2000:]
-    step = int(stops[0].split()[4].rstrip(","))
-    run = tmp_path / "runs" / "ddp"
-    assert latest_checkpoint(run).name == f"step_{step:09d}"
-    manifest = verify_checkpoint(latest_checkpoint(run))
-    assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(manifest["files"]), "both processes saved their state"
-
-
 def test_skipped_files_are_counted_per_epoch_named_once_and_validation_counts_each_image_once(tmp_path, data):
     root = copy_data(data, tmp_path)
     bad_train = corrupt_image(root / "train" / "class_00" / "0003.jpg", "zero_byte")
