@@ -948,7 +948,7 @@ def test_train_loader_order_depends_only_on_seed_and_epoch():
     other_seed = EpochSeededSampler(4000, seed=8)
     assert list(other_seed) != epochs[0]
     labels = torch.cat([y for _, y in val_loader])
-    assert labels.tolist() == val.targets and not val_loader.drop_last, "val: every image, in order"
+    assert labels.tolist() == val.targets.tolist() and not val_loader.drop_last, "val: every image, in order"
 
 
 def test_fast_batches_arrive_channels_last_with_the_same_values():

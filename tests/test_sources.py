@@ -185,7 +185,7 @@ def test_parquet_samples_match_the_folders_sample_by_sample(hub_parquet):
     dir_train, dir_val = build_datasets(EMBEDDED, img_size=32)
     assert isinstance(pq_train.reader, RecordReader) and pq_train.classes == dir_train.classes == pq_val.classes
     assert (len(pq_train), len(pq_val)) == (len(dir_train), len(dir_val)) == (4000, 1000)
-    assert pq_train.targets == dir_train.targets and pq_val.targets == dir_val.targets
+    assert np.array_equal(pq_train.targets, dir_train.targets) and np.array_equal(pq_val.targets, dir_val.targets)
     for ds_pq, ds_dir in [(pq_train, dir_train), (pq_val, dir_val)]:
         for i in range(0, len(ds_dir), 131):
             random.seed(i)  # the random state the training script sets for each sample (08b)

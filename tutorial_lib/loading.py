@@ -3,11 +3,14 @@
 # %% ../notebooks/07d_datasets.ipynb #37784731
 from __future__ import annotations
 
+import gc
 import io
+import math
 import os
 import random
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,8 +24,9 @@ from .transforms import FastTrainTransform, FastValTransform, classic_transforms
 
 # %% auto #0
 __all__ = ['SKIPPED_LABEL', 'SkipCounts', 'ImageDataset', 'base_dataset', 'pipeline_transforms', 'build_datasets',
-           'EpochSeededSampler', 'stack_images', 'collate_images', 'collate_encoded', 'build_loaders',
-           'EpochSeededDataset', 'seeded_subset', 'gather_skips']
+           'EpochSeededSampler', 'stack_images', 'collate_images', 'collate_encoded', 'freeze_inherited_objects',
+           'build_loaders', 'EpochSeededDataset', 'seeded_subset', 'gather_skips', 'unique_memory_mb',
+           'SampleTableProbe', 'worker_memory_over_a_pass']
 
 # %% ../notebooks/07d_datasets.ipynb #2b1774f4
 class SkipCounts:
@@ -124,9 +128,9 @@ class ImageDataset(SkipCounts, Dataset):
 
     def __getitem__(self, index: int) -> tuple[Tensor, int]:
         for attempt in range(len(self) if self.replace_bad else 1):
-            k = (index + attempt) % len(self)
+            k = (int(index) + attempt) % len(self)
             try:
-                return self.load(k), self.targets[k]
+                return self.load(k), int(self.targets[k])
             except UnreadableImageError as err:
                 if self.on_bad_file == "raise":
                     raise
@@ -209,6 +213,10 @@ def build_datasets(
         if int(size) != size or size < 1:
             raise ValueError(f"img_size must be a positive integer, got {size!r}")
     train_tf, val_tf = pipeline_transforms(pipeline, img_size, val_img_size or img_size, scale, reduced_decode)
+    # The decoders import torchvision on first use; a loader worker forked before that would import it itself:
+    # about 1,000 modules, seconds and some 200 MB of its own memory per worker. Imported here, it is shared (§4).
+    import torchvision.io  # noqa: F401
+
     train_reader, val_reader = open_readers(resolve_data_source(source), cache_dir)
     train = ImageDataset(train_reader, train_tf, pipeline, on_bad_file)
     val = ImageDataset(val_reader, val_tf, pipeline, on_bad_file, replace_bad=False)
@@ -267,6 +275,13 @@ def collate_encoded(batch: Sequence[tuple[Tensor, int]]) -> tuple[list[Tensor], 
     return [x for x, _ in batch], torch.tensor([y for _, y in batch])
 
 
+def freeze_inherited_objects(worker_id: int) -> None:
+    """A loader worker's first act: move every object it inherited from the training process out of its garbage
+    collector's sight (`gc.freeze()`, which relinks only the lists' heads). A collection pass writes to each object it
+    visits, so it would copy into the worker every page of the parent's Python objects (07d §4)."""
+    gc.freeze()
+
+
 def build_loaders(
     train_ds: Dataset,
     val_ds: Dataset,
@@ -296,6 +311,7 @@ def build_loaders(
         persistent_workers=num_workers > 0,
         prefetch_factor=prefetch_factor if num_workers > 0 else None,
         collate_fn=collate_encoded if getattr(train_ds, "pipeline", None) == "gpu" else collate_images,
+        worker_init_fn=freeze_inherited_objects,
     )
     train_loader = DataLoader(
         train_ds, batch_size=batch_size, sampler=EpochSeededSampler(len(train_ds), seed), drop_last=True, **options
@@ -351,7 +367,7 @@ def seeded_subset(dataset: Dataset, n: int | None, seed: int) -> Dataset:
     if not n or n >= len(dataset):
         return dataset
     generator = torch.Generator().manual_seed(seed)
-    indices = sorted(torch.randperm(len(dataset), generator=generator)[:n].tolist())
+    indices = np.sort(torch.randperm(len(dataset), generator=generator)[:n].numpy())  # an array: no int per sample
     subset = torch.utils.data.Subset(dataset, indices)
     subset.classes = dataset.classes
     return subset
@@ -368,3 +384,55 @@ def gather_skips(accelerator, loaders: Sequence) -> tuple[list[int], list[str]]:
         counts.append(n)
         names.update(gather_object(list(new)))
     return accelerator.reduce(torch.tensor(counts, device=accelerator.device), "sum").tolist(), sorted(names)
+
+# %% ../notebooks/07d_datasets.ipynb #a666cb31
+def unique_memory_mb(pid: int | None = None) -> float | None:
+    """The unique set size (USS) of a process in MB: the pages only it holds, so a page it still shares with the
+    process it was forked from is not counted. Read from `/proc/<pid>/smaps_rollup`: None where that is missing
+    (not Linux)."""
+    try:
+        text = Path(f"/proc/{pid or 'self'}/smaps_rollup").read_text()
+    except OSError:
+        return None
+    fields = ("Private_Clean:", "Private_Dirty:")
+    return sum(int(line.split()[1]) for line in text.splitlines() if line.startswith(fields)) / 1024
+
+
+class SampleTableProbe(Dataset):
+    """Reads sample i of `samples` as `ImageDataset` does (its path and its class, nothing decoded) and returns
+    `(worker id, the worker's USS in MB)` at each worker's first sample and every `every` samples (NaN between):
+    what holding a sample table costs a loader worker, with no image work to hide it."""
+
+    def __init__(self, samples, every: int):
+        self.samples, self.every, self.started = samples, every, False  # each worker sets its own copy's flag
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[int, float]:
+        path, target = self.samples[index]
+        worker = torch.utils.data.get_worker_info()
+        uss = unique_memory_mb() if index % self.every == 0 or not self.started else None
+        self.started = True
+        return (worker.id if worker else 0), (float("nan") if uss is None else uss)
+
+
+def worker_memory_over_a_pass(
+    samples, num_workers: int = 2, batch_size: int = 1000, points: int = 20
+) -> dict[int, list[tuple[int, float]]]:
+    """Each loader worker's USS (MB) at about `points` moments of one pass over `samples` in order:
+    {worker id: [(samples read by all workers, USS), ...]} (07d §4)."""
+    every = max(len(samples) // points, 1)
+    loader = torch.utils.data.DataLoader(  # workers set up as build_loaders sets them up
+        SampleTableProbe(samples, every),
+        batch_size=batch_size,
+        num_workers=num_workers,
+        worker_init_fn=freeze_inherited_objects,
+    )
+    seen, curves = 0, {}
+    for workers, uss in loader:
+        seen += len(workers)
+        for worker, mb in zip(workers.tolist(), uss.tolist()):
+            if not math.isnan(mb):
+                curves.setdefault(worker, []).append((seen, mb))
+    return curves

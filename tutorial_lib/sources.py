@@ -24,8 +24,8 @@ from .core import UserError, in_notebook
 __all__ = ['IMG_EXTENSIONS', 'VAL_DIR_NAMES', 'SPLIT_ALIASES', 'OFFICIAL_ARCHIVES', 'DataLayoutError', 'embedded_data_path',
            'folder_listing', 'find_split_dirs', 'is_image_name', 'ScanReport', 'scan_image_folder', 'list_images',
            'make_tree', 'make_flat_val', 'DataSourceError', 'DataSource', 'require_datasets', 'resolve_data_source',
-           'UnreadableImageError', 'error_reason', 'unreadable_image', 'read_bytes', 'FolderReader', 'open_readers',
-           'RecordReader', 'load_record_readers']
+           'UnreadableImageError', 'error_reason', 'unreadable_image', 'read_bytes', 'PathSamples', 'FolderReader',
+           'open_readers', 'RecordReader', 'load_record_readers']
 
 # %% ../notebooks/07a_imagenet_sources.ipynb #16adf964
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
@@ -406,6 +406,41 @@ def read_bytes(path: str | os.PathLike) -> Tensor:
         raise unreadable_image(path, err) from err
 
 # %% ../notebooks/07a_imagenet_sources.ipynb #aa3d61a1
+class PathSamples:
+    """`samples` of a `FolderReader`: item i is `(path_i, class_i)`, as a list of tuples would give it, but held in
+    three NumPy arrays (every path's bytes end to end, where each one starts, the classes) instead of 2 Python
+    objects per sample.
+
+    Why: a DataLoader worker is a fork of the training process and shares its memory pages until one is written.
+    Reading a Python object writes to it (its reference count), so a list of 1.28 M `(path, class)` tuples is
+    copied page by page into every worker as the epoch reads it; arrays of plain bytes are only read (07d §4
+    measures both)."""
+
+    def __init__(self, samples: Sequence[tuple[str, int]]):
+        encoded = [os.fsencode(path) for path, _ in samples]
+        self.offsets = np.zeros(len(encoded) + 1, dtype=np.int64)  # path i is path_bytes[offsets[i]:offsets[i + 1]]
+        np.cumsum([len(b) for b in encoded], out=self.offsets[1:])
+        self.path_bytes = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+        self.targets = np.fromiter((t for _, t in samples), dtype=np.int64, count=len(encoded))
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def _position(self, index: int) -> int:
+        return range(len(self))[index]  # negative counts from the end; IndexError outside, as for a list
+
+    def path(self, index: int) -> str:
+        """The path of sample `index`, decoded from its bytes (no object is kept per sample)."""
+        k = self._position(index)
+        return os.fsdecode(self.path_bytes[self.offsets[k] : self.offsets[k + 1]].tobytes())
+
+    def __getitem__(self, index: int | slice) -> tuple[str, int] | list[tuple[str, int]]:
+        if isinstance(index, slice):
+            return [self[k] for k in range(len(self))[index]]
+        k = self._position(index)
+        return self.path(k), int(self.targets[k])
+
+
 class FolderReader:
     """The samples of one split folder `<class>/<image>`, scanned once: sample i is the i-th file, read as bytes.
 
@@ -415,20 +450,21 @@ class FolderReader:
 
     def __init__(self, folder: str | os.PathLike):
         self.root, self.left_out = str(folder), ScanReport(str(folder))
-        self.classes, self.samples = scan_image_folder(folder, self.left_out)
-        self.targets = [t for _, t in self.samples]
+        self.classes, found = scan_image_folder(folder, self.left_out)
+        self.samples = PathSamples(found)  # the scan's list of tuples is freed: loader workers share the arrays
+        self.targets = self.samples.targets
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def name(self, index: int) -> str:
         """How errors and reports name sample `index`: its path."""
-        return str(self.samples[index][0])
+        return self.samples.path(index)
 
     def read(self, index: int) -> tuple[Tensor, str]:
         """The encoded bytes of sample `index` and its name; `UnreadableImageError` if the file cannot be read."""
-        path = self.samples[index][0]
-        return read_bytes(path), str(path)
+        path = self.samples.path(index)
+        return read_bytes(path), path
 
 
 def open_readers(source: DataSource, cache_dir: str | None = None) -> tuple:
@@ -497,7 +533,7 @@ class RecordReader:
         self.image_column, self.label_column = _record_columns(records, name)
         self.records = records.cast_column(self.image_column, ImageFeature(decode=False))  # bytes, not PIL images
         self.root, self.left_out = name, ScanReport(name)  # records: no folder scan, nothing left out
-        labels = records.with_format("arrow")[self.label_column].to_numpy()
+        labels = records.with_format("arrow")[self.label_column].to_numpy().astype(np.int64)
         feature = records.features[self.label_column]
         self.classes = (
             list(feature.names)
@@ -519,7 +555,7 @@ class RecordReader:
                 f"{name} has {len(outside)} labels outside 0…{len(self.classes) - 1}, e.g. {value} at "
                 f"{self.describe(row)}: {advice}"
             )
-        self.samples, self.targets = _RowSamples(labels), labels.tolist()
+        self.samples, self.targets = _RowSamples(labels), labels  # arrays: nothing per sample for workers to copy
 
     def __len__(self) -> int:
         return len(self.samples)
