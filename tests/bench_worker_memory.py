@@ -38,7 +38,7 @@ def make_tree(out: Path, jpeg: Path, files: int = IMAGENET_TRAIN, classes: int =
         (val / "v0.JPEG").write_bytes(data)
 
 
-def unique_memory_mb(pid: int) -> float:
+def unique_memory_mb(pid: int) -> float:  # loading.unique_memory_mb, kept here: older checkouts lack it
     text = Path(f"/proc/{pid}/smaps_rollup").read_text()
     fields = ("Private_Clean:", "Private_Dirty:")
     return sum(int(line.split()[1]) for line in text.splitlines() if line.startswith(fields)) / 1024
