@@ -768,6 +768,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                      'tutorial_lib/sources.py'),
                                       'tutorial_lib.sources.PathSamples.__len__': ( 'imagenet_sources.html#pathsamples.__len__',
                                                                                     'tutorial_lib/sources.py'),
+                                      'tutorial_lib.sources.PathSamples._path_at': ( 'imagenet_sources.html#pathsamples._path_at',
+                                                                                     'tutorial_lib/sources.py'),
                                       'tutorial_lib.sources.PathSamples._position': ( 'imagenet_sources.html#pathsamples._position',
                                                                                       'tutorial_lib/sources.py'),
                                       'tutorial_lib.sources.PathSamples.path': ( 'imagenet_sources.html#pathsamples.path',

@@ -410,7 +410,7 @@ class SampleTableProbe(Dataset):
         return len(self.samples)
 
     def __getitem__(self, index: int) -> tuple[int, float]:
-        path, target = self.samples[index]
+        self.samples[index]  # its path and class, read as the dataset reads them
         worker = torch.utils.data.get_worker_info()
         uss = unique_memory_mb() if index % self.every == 0 or not self.started else None
         self.started = True

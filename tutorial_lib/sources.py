@@ -429,16 +429,18 @@ class PathSamples:
     def _position(self, index: int) -> int:
         return range(len(self))[index]  # negative counts from the end; IndexError outside, as for a list
 
+    def _path_at(self, k: int) -> str:
+        return os.fsdecode(self.path_bytes[self.offsets[k] : self.offsets[k + 1]].tobytes())
+
     def path(self, index: int) -> str:
         """The path of sample `index`, decoded from its bytes (no object is kept per sample)."""
-        k = self._position(index)
-        return os.fsdecode(self.path_bytes[self.offsets[k] : self.offsets[k + 1]].tobytes())
+        return self._path_at(self._position(index))
 
     def __getitem__(self, index: int | slice) -> tuple[str, int] | list[tuple[str, int]]:
         if isinstance(index, slice):
             return [self[k] for k in range(len(self))[index]]
         k = self._position(index)
-        return self.path(k), int(self.targets[k])
+        return self._path_at(k), int(self.targets[k])
 
 
 class FolderReader:
