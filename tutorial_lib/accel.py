@@ -3,10 +3,8 @@
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #da86ef07
 from __future__ import annotations
 
-import functools
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +13,9 @@ import torch
 from .core import UserError
 
 # %% auto #0
-__all__ = ['IGNORE_LABEL', 'process_index', 'is_main_process', 'MetricsLogger', 'read_metrics', 'format_metrics_table',
-           'LaunchError', 'MissingPathError', 'overlapping_copies', 'build_accelerator', 'gather_batch',
-           'ClassificationMetrics', 'merge_metrics']
+__all__ = ['IGNORE_LABEL', 'METRIC_SUMS', 'process_index', 'is_main_process', 'MetricsLogger', 'read_metrics',
+           'format_metrics_table', 'LaunchError', 'MissingPathError', 'overlapping_copies', 'build_accelerator',
+           'summed_over_processes', 'gather_batch', 'ClassificationMetrics', 'merge_metrics']
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #00edb7a2
 def process_index(accelerator=None) -> int:
@@ -210,43 +208,20 @@ def build_accelerator(
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #85562c80
 IGNORE_LABEL = -100  # cross_entropy's ignore_index: the label of a sample to leave out
+METRIC_SUMS = ("loss_sum", "count", "correct1", "correctk")  # what an epoch's metrics are computed from
 
 
-@functools.cache
-def _classification_sums_metric() -> type:
-    """The torchmetrics metric of the sums an epoch needs, defined on first use: importing torchmetrics takes
-    seconds (it imports torchvision and scipy), which a command's `--help` should not pay."""
-    import torchmetrics
+def summed_over_processes(sums: dict) -> dict:
+    """`sums` (tensors) added over every process of torch.distributed's group, one `all_reduce` each; the
+    arguments stay this process's own. Alone (no group, or a group of one) they are returned as they are."""
+    import torch.distributed as dist
 
-    class ClassificationSums(torchmetrics.Metric):
-        """Summed loss, samples and correct top-1 / top-k predictions as torchmetrics state (summed across
-        processes on sync). One `topk` per batch: the training loop calls `update` on every micro-batch."""
-
-        full_state_update = False
-
-        def __init__(self, top_k: int, loss_dtype: torch.dtype = torch.float64, **kwargs):
-            super().__init__(**kwargs)
-            self.top_k = top_k
-            self.add_state("loss_sum", default=torch.tensor(0.0, dtype=loss_dtype), dist_reduce_fx="sum")
-            for name in ("count", "correct1", "correctk"):
-                self.add_state(name, default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
-
-        def update(self, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor) -> None:
-            hits = logits.topk(self.top_k, dim=1).indices == labels[:, None]  # (batch, k): True where the label is
-            self.correct1 += hits[:, 0].sum()
-            self.correctk += hits.any(dim=1).sum()
-            self.loss_sum += loss.detach().to(self.loss_sum.device, self.loss_sum.dtype).sum()
-            self.count += labels.shape[0]
-
-        def compute(self) -> dict:
-            return {
-                "loss_sum": self.loss_sum,
-                "count": self.count,
-                "correct1": self.correct1,
-                "correctk": self.correctk,
-            }
-
-    return ClassificationSums
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return sums
+    total = {name: value.clone() for name, value in sums.items()}
+    for value in total.values():
+        dist.all_reduce(value)  # every process must call compute(): a collective, like torchmetrics' sync
+    return total
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #a4579dee
 def _checked_batch(logits: torch.Tensor, labels: torch.Tensor, loss, num_classes: int, device: torch.device) -> tuple:
@@ -301,21 +276,25 @@ class ClassificationMetrics:
     """Loss, top-1 and top-5 accuracy (in %) and the sample count of an epoch, exact across processes (06).
 
     By default update with tensors gathered by `gather_for_metrics` (or use `gather_update`). With
-    `sync_on_compute=True` update with local tensors and torchmetrics sums the states at `compute`
+    `sync_on_compute=True` update with local tensors and `compute` adds the sums over the processes
     (exact only when no process gets padded duplicates, e.g. `even_batches=False`)."""
 
     def __init__(self, num_classes: int, device: torch.device | str = "cpu", sync_on_compute: bool = False):
         if int(num_classes) != num_classes or num_classes < 2:
             raise ValueError(f"num_classes must be an integer >= 2, got {num_classes!r}")
         self.num_classes, self.device = int(num_classes), torch.device(device)
-        self.top_k = min(5, self.num_classes)
-        loss_dtype = torch.float32 if self.device.type == "mps" else torch.float64  # MPS has no float64
-        sums = _classification_sums_metric()(self.top_k, loss_dtype, sync_on_compute=sync_on_compute)
-        self.sums = sums.to(self.device)
+        self.top_k, self.sync_on_compute = min(5, self.num_classes), sync_on_compute
+        self.loss_dtype = torch.float32 if self.device.type == "mps" else torch.float64  # MPS has no float64
+        self.reset()
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor | float | None = None) -> None:
         """Add a batch: `logits` (B, C), `labels` (B,), `loss` per sample (B,), exact, or the batch mean."""
-        self.sums.update(*_checked_batch(logits, labels, loss, self.num_classes, self.device))
+        logits, labels, loss = _checked_batch(logits, labels, loss, self.num_classes, self.device)
+        hits = logits.topk(self.top_k, dim=1).indices == labels[:, None]  # (batch, k): True where the label is
+        self.sums["correct1"] += hits[:, 0].sum()
+        self.sums["correctk"] += hits.any(dim=1).sum()
+        self.sums["loss_sum"] += loss.to(self.loss_dtype).sum()
+        self.sums["count"] += labels.shape[0]
 
     def gather_update(
         self, accelerator, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor | None = None
@@ -327,14 +306,16 @@ class ClassificationMetrics:
             self.update(logits, labels, loss)
 
     def compute(self) -> dict:
-        """`{"loss", "top1", "top5", "count"}`: mean loss, accuracies in %, samples seen (int)."""
-        with warnings.catch_warnings():  # an empty epoch is reported as NaN, not warned about
-            warnings.filterwarnings("ignore", message=".*compute.*called before.*update", category=UserWarning)
-            return _rates(self.sums.compute())
+        """`{"loss", "top1", "top5", "count"}`: mean loss, accuracies in %, samples seen (int). With
+        `sync_on_compute=True` every process must call it (the sums are added over the processes)."""
+        return _rates(summed_over_processes(self.sums) if self.sync_on_compute else self.sums)
 
     def reset(self) -> None:
         """Forget all batches (call at the start of each epoch)."""
-        self.sums.reset()
+        self.sums = {
+            name: torch.zeros((), dtype=self.loss_dtype if name == "loss_sum" else torch.long, device=self.device)
+            for name in METRIC_SUMS
+        }
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #31712039
 def _rates(state: dict) -> dict:

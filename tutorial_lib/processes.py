@@ -209,7 +209,6 @@ FORK_PRELOAD = (
     "tutorial_lib.processes",
     "accelerate",
     "torchvision",
-    "torchmetrics",
     "safetensors.torch",
     "huggingface_hub.serialization",
 )
