@@ -34,6 +34,7 @@ from tutorial_lib.data import from_archives, main, read_devkit, verify_unpacked,
 from tutorial_lib.databench import format_data_benchmark, run_data_benchmark
 from tutorial_lib.flags import default_args
 from tutorial_lib.loading import build_datasets
+from tutorial_lib.processes import make_image_folder
 from tutorial_lib.sources import (
     DataLayoutError,
     DataSourceError,
@@ -421,6 +422,99 @@ def test_shard_resumes_and_refuses_another_runs_shards(tmp_path):
     assert len(train_ds) == 12
     with pytest.raises(DataLayoutError, match="another run"):
         write_shards(src, out, shard_mb=1, log=lambda s: None)
+
+
+PHOTOS = ROOT / "tests" / "assets" / "imagenet"  # 333-500 px real photos: one RGB, one grayscale, one CMYK …
+
+
+def photo_tree(root: Path) -> Path:
+    """The committed photos as train/ and val/, one class per photo (named by its wnid)."""
+    for split in ["train", "val"]:
+        for photo in sorted(PHOTOS.glob("*.JPEG")):
+            (root / split / photo.name[:9]).mkdir(parents=True, exist_ok=True)
+            (root / split / photo.name[:9] / photo.name).write_bytes(photo.read_bytes())
+    return root
+
+
+def shard_rows(out: Path) -> dict[str, bytes]:
+    """Path under the split folder -> stored bytes, over every shard of `out`."""
+    tables = [pq.read_table(p) for p in sorted((out / "data").glob("*.parquet"))]
+    return {row["image"]["path"]: row["image"]["bytes"] for t in tables for row in t.to_pylist()}
+
+
+def test_presized_shards_keep_small_images_bytes_and_shrink_the_others_as_their_footers_say(tmp_path):
+    from PIL import Image
+
+    src, out = photo_tree(tmp_path / "photos"), tmp_path / "shards"
+    done = write_shards(src, out, max_side=400, jpeg_quality=85, log=lambda s: None)
+    rows = shard_rows(out)
+    assert len(rows) == 5  # train and val hold the same relative paths
+    for path, stored in rows.items():
+        original = (src / "train" / path).read_bytes()
+        (w0, h0), (w1, h1) = Image.open(io.BytesIO(original)).size, Image.open(io.BytesIO(stored)).size
+        if max(w0, h0) <= 400:
+            assert stored == original, path  # the 400 x 300 photo: byte for byte
+        else:
+            assert (w1, h1) == (round(w0 * 400 / max(w0, h0)), round(h0 * 400 / max(w0, h0))), (path, w1, h1)
+            assert Image.open(io.BytesIO(stored)).format == "JPEG" and stored != original
+    assert done["presized"] == {"max_side": 400, "jpeg_quality": 85, "resized": 8, "kept": 2, "unreadable": 0}
+    for shard in (out / "data").glob("*.parquet"):
+        footer = pq.read_metadata(shard).metadata
+        assert json.loads(footer[b"tutorial_lib.presize"]) == {"max_side": 400, "jpeg_quality": 85}
+        assert json.loads(footer[b"tutorial_lib.presized"]) == {"resized": 4, "kept": 1, "unreadable": 0}
+    assert write_shards(src, out, max_side=400, jpeg_quality=85, log=lambda s: None)["written"] == 0
+    rewritten = write_shards(src, out, max_side=300, jpeg_quality=85, log=lambda s: None)  # other settings
+    assert rewritten["written"] == 2 and rewritten["presized"]["resized"] == 10, "a shard never mixes two settings"
+    plain = write_shards(src, out, log=lambda s: None)
+    assert plain["written"] == 2 and shard_rows(out) == {p: (src / "train" / p).read_bytes() for p in rows}
+
+
+def test_presized_shards_train_bit_identically_to_a_folder_of_the_same_reencoded_images(tmp_path):
+    from PIL import Image
+
+    from tutorial_lib.transforms import Presizer
+
+    src = make_image_folder(tmp_path / "src", classes=3, train_per_class=8, val_per_class=4, img_size=40)
+    for k, path in enumerate(sorted(src.rglob("*.jpg"))):
+        if k % 2:  # every other image small enough to be kept as it is
+            Image.open(path).resize((16, 16)).save(path, quality=90)
+    write_shards(src, tmp_path / "shards", max_side=24, log=lambda s: None)
+    presize = Presizer(24)
+    for path in sorted(src.rglob("*.jpg")):
+        copy = tmp_path / "copy" / path.relative_to(src)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_bytes(presize(path.read_bytes()))
+    assert presize.counts == {"resized": 18, "kept": 18, "unreadable": 0}
+    options = {"img_size": 16, "batch_size": 4, "max_train_samples": None, "max_val_samples": None}
+    folder = run(tmp_path, "folder", tmp_path / "copy", **options)
+    shards = run(tmp_path, "shards", tmp_path / "shards", **options)
+    assert folder["optimizer_steps"] == shards["optimizer_steps"] == 12
+    assert bitwise_equal(weights(tmp_path / "folder"), weights(tmp_path / "shards"))
+
+
+def test_presizer_keeps_a_file_it_cannot_read_and_counts_it():
+    from tutorial_lib.transforms import Presizer
+
+    presize, photo = Presizer(100), (PHOTOS / "n01440764_tench.JPEG").read_bytes()
+    assert presize(photo[: len(photo) // 2]) == photo[: len(photo) // 2]  # truncated: kept, training names it (07c)
+    assert presize(b"not an image") == b"not an image"
+    assert presize.counts == {"resized": 0, "kept": 0, "unreadable": 2}
+    for bad in [dict(max_side=0), dict(max_side=10, jpeg_quality=101), dict(max_side=2.5)]:
+        with pytest.raises(ValueError, match="max_side"):
+            Presizer(**bad)
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (["--jpeg_quality", "80"], "--jpeg_quality applies to re-encoded images: give --max_side too"),
+        (["--max_side", "0"], "--max_side must be >= 1, got 0"),
+        (["--max_side", "64", "--jpeg_quality", "0"], "--jpeg_quality must be in [1, 100], got 0"),
+    ],
+)
+def test_shard_refuses_bad_presize_flags_in_one_line_before_reading_anything(tmp_path, capsys, flags, line):
+    assert exit_status(main, ["shard", str(tmp_path / "missing"), str(tmp_path / "out"), *flags]) == 2
+    assert line in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
 # --- from-archives: the official ILSVRC2012 archives → folders -----------------------------------------------

@@ -8,6 +8,7 @@ import csv
 import gzip
 import hashlib
 import io
+import json
 import os
 import re
 import shutil
@@ -17,22 +18,20 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tutorial_lib.accel import (
-    MissingPathError,
-)
+from .accel import MissingPathError
 from tutorial_lib.cli import (
     HelpFormatter,
     OneLineParser,
     Progress,
     cli_main,
     format_size,
+    number_flag,
     positive_float,
+    positive_int,
     run_on_user_files,
     user_path,
 )
-from tutorial_lib.core import (
-    in_notebook,
-)
+from .core import UserError, in_notebook
 from tutorial_lib.sources import (
     IMG_EXTENSIONS,
     OFFICIAL_ARCHIVES,
@@ -46,11 +45,12 @@ from tutorial_lib.sources import (
     require_datasets,
     scan_image_folder,
 )
+from .transforms import Presizer
 
 # %% auto #0
-__all__ = ['SHARD_MB', 'ILSVRC2012_COUNTS', 'read_val_mapping', 'prepare_val', 'hub_features', 'plan_shards', 'shard_table',
-           'write_shards', 'Devkit', 'read_devkit', 'verify_unpacked', 'from_archives', 'get_args_parser',
-           'run_command', 'main']
+__all__ = ['SHARD_MB', 'PRESIZE_KEY', 'PRESIZED_KEY', 'ILSVRC2012_COUNTS', 'read_val_mapping', 'prepare_val', 'hub_features',
+           'plan_shards', 'shard_table', 'write_shards', 'Devkit', 'read_devkit', 'verify_unpacked', 'from_archives',
+           'get_args_parser', 'run_command', 'main']
 
 # %% ../notebooks/07b_preparing_imagenet.ipynb #b4c96ac6
 _MAPPING_FORMS = (
@@ -323,6 +323,7 @@ def prepare_val(
 
 # %% ../notebooks/07b_preparing_imagenet.ipynb #7e9b002e
 SHARD_MB = 384  # default shard size: a few hundred files for ImageNet's ~150 GB
+PRESIZE_KEY, PRESIZED_KEY = "tutorial_lib.presize", "tutorial_lib.presized"  # footer keys: settings, counts
 
 
 def _check_free_space(folder: Path, needed: int, what: str) -> None:
@@ -357,21 +358,27 @@ def plan_shards(sizes: Sequence[int], shard_bytes: float) -> list[tuple[int, int
     return ranges
 
 
-def shard_table(samples: Sequence[tuple[str, int]], split_dir: Path, schema):
-    """One row group: the files' bytes, unchanged, with their path under the split folder and their label."""
+def shard_table(samples: Sequence[tuple[str, int]], split_dir: Path, schema, presize: Callable | None = None):
+    """One row group: the files' bytes (unchanged, or as `presize` returns them, §2.1) with their path under the
+    split folder and their label."""
     import pyarrow as pa
 
-    images = [{"bytes": Path(p).read_bytes(), "path": os.path.relpath(p, split_dir)} for p, _ in samples]
+    images = [
+        {"bytes": (presize or bytes)(Path(p).read_bytes()), "path": os.path.relpath(p, split_dir)} for p, _ in samples
+    ]
     return pa.Table.from_pydict({"image": images, "label": [y for _, y in samples]}, schema=schema)
 
 
 def _complete_shard(path: Path, rows: int, schema) -> bool:
+    """Whether `path` holds `rows` rows written with `schema` (pre-sizing settings included, its counts aside)."""
     import pyarrow.parquet as pq
 
     if not path.is_file():
         return False
     try:
-        return pq.read_metadata(path).num_rows == rows and pq.read_schema(path).equals(schema, check_metadata=True)
+        found = pq.read_schema(path)
+        metadata = {k: v for k, v in (found.metadata or {}).items() if k != PRESIZED_KEY.encode()}
+        return pq.read_metadata(path).num_rows == rows and found.with_metadata(metadata).equals(schema, True)
     except (OSError, ValueError):  # a damaged file (pyarrow.ArrowInvalid is a ValueError)
         return False
 
@@ -383,17 +390,20 @@ def write_shards(
     rows_per_group: int = 100,
     log: Callable = print,
     progress_interval: float = 30.0,
+    max_side: int | None = None,
+    jpeg_quality: int = 90,
 ) -> dict:
     """Write an ImageNet-layout folder as parquet shards with the Hub's schema (07b §2).
 
     `out_dir/data/{train,validation}-KKKKK-of-NNNNN.parquet`, rows in `scan_image_folder` order (row i
-    is sample i of the folders), JPEG bytes unchanged, class names in the schema. Resumable: complete
-    shards are kept, others are written under a temporary name and renamed. Returns the counts."""
+    is sample i of the folders), JPEG bytes unchanged (with `max_side`: `Presizer`'s, §2.1), class names in the
+    schema. Resumable: complete shards are kept, others are written under a temporary name and renamed."""
     import pyarrow.parquet as pq
 
     require_datasets("writing shards")
     if not shard_mb > 0 or rows_per_group < 1:
         raise ValueError(f"need shard_mb > 0 and rows_per_group >= 1, got {shard_mb} and {rows_per_group}")
+    settings = Presizer(max_side, jpeg_quality).settings if max_side else None  # checked before any work
     train_dir, val_dir = find_split_dirs(root)
     log(f"{root}: listing the images and their sizes …")
     reports = ScanReport(str(train_dir)), ScanReport(str(val_dir))
@@ -405,6 +415,7 @@ def write_shards(
     if classes != val_classes:
         raise DataLayoutError(f"{train_dir} and {val_dir} have different class folders: give both splits the same ones")
     schema = hub_features(classes).arrow_schema
+    schema = schema.with_metadata({**schema.metadata, PRESIZE_KEY: json.dumps(settings)}) if settings else schema
     out = Path(out_dir).expanduser() / "data"
     plans = []  # (split, split folder, samples, sizes, (start, stop), file name)
     for split, split_dir, samples in (("train", train_dir, train), ("validation", val_dir, val)):
@@ -430,14 +441,17 @@ def write_shards(
     out.mkdir(parents=True, exist_ok=True)
     for leftover in out.glob(".tmp-*"):  # a shard an interrupted run was writing
         leftover.unlink()
-    progress = Progress(needed, "shard", unit="B", interval=progress_interval, summary=True)
+    progress, presized = Progress(needed, "shard", unit="B", interval=progress_interval, summary=True), Counter()
     for _split, split_dir, samples, sizes, (start, stop), name in todo:
-        tmp = out / f".tmp-{name}"
+        tmp, presize = out / f".tmp-{name}", Presizer(**settings) if settings else None
         with pq.ParquetWriter(tmp, schema, compression="none", use_dictionary=False) as writer:
             for first in range(start, stop, rows_per_group):
                 last = min(first + rows_per_group, stop)
-                writer.write_table(shard_table(samples[first:last], split_dir, schema))
+                writer.write_table(shard_table(samples[first:last], split_dir, schema, presize))
                 progress.update(sum(sizes[first:last]))
+            if presize:  # this shard's own counts: resized, kept, unreadable (kept as they were)
+                writer.add_key_value_metadata({PRESIZED_KEY: json.dumps(presize.counts)})
+                presized.update(presize.counts)
         os.replace(tmp, out / name)  # complete: appears under its final name
     progress.close()
     counts = {
@@ -449,7 +463,8 @@ def write_shards(
             f"the shards in {out} hold {counts}, not {len(train)} train and {len(val)} val rows: "
             "delete them and run again"
         )
-    return {**counts, "classes": len(classes), "shards": len(plans), "written": len(todo), "out": str(out)}
+    done = {**counts, "classes": len(classes), "shards": len(plans), "written": len(todo), "out": str(out)}
+    return {**done, **({"presized": {**settings, **presized}} if settings else {})}
 
 # %% ../notebooks/07b_preparing_imagenet.ipynb #deac18a0
 ILSVRC2012_COUNTS = {"classes": 1000, "train": 1_281_167, "val": 50_000}
@@ -742,7 +757,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     shard = command("shard", "write a folder in the ImageNet layout as parquet shards (the Hub's schema)")
     shard.add_argument("src", type=user_path, help="folder that holds train/ and val/")
     shard.add_argument("out", type=user_path, help="output folder; the shards go into OUT/data/")
-    shard.add_argument("--shard_mb", type=positive_float, default=SHARD_MB, help="MB of images per shard")
+    shard.add_argument("--shard_mb", type=positive_float, default=SHARD_MB, help="MB of (original) images per shard")
+    shard.add_argument("--max_side", type=positive_int, help="shrink longer images to this many px (default: keep)")
+    shard.add_argument("--jpeg_quality", type=number_flag(int, 1, 100), help="quality of re-encoding (default: 90)")
     archives = command("from-archives", "unpack the official ILSVRC2012 archives into class folders")
     archives.add_argument("archive_dir", type=user_path, help="folder that holds " + ", ".join(OFFICIAL_ARCHIVES))
     archives.add_argument("out", type=user_path, help="output folder; train/ and val/ go there")
@@ -759,12 +776,15 @@ def get_args_parser() -> argparse.ArgumentParser:
 def run_command(args: argparse.Namespace) -> int | None:
     """What `python -m tutorial_lib.data` does with its flags. The files it is given are the user's: a missing or
     unreadable one, a malformed mapping or a full disk is a `UserError` (one line, exit status 2)."""
+    if args.command == "shard" and args.jpeg_quality and not args.max_side:
+        raise UserError("--jpeg_quality applies to re-encoded images: give --max_side too")
 
     def act() -> None:
         if args.command == "prepare-val":
             prepare_val(args.val_dir, args.mapping, apply=args.apply, link=args.link, out_dir=args.out)
         elif args.command == "shard":
-            print(write_shards(args.src, args.out, shard_mb=args.shard_mb, progress_interval=args.progress_interval))
+            presize = {"max_side": args.max_side, "jpeg_quality": args.jpeg_quality or 90} if args.max_side else {}
+            print(write_shards(args.src, args.out, args.shard_mb, progress_interval=args.progress_interval, **presize))
         else:
             from_archives(args.archive_dir, args.out, progress_interval=args.progress_interval)
 

@@ -21,7 +21,7 @@ from torch import Tensor
 __all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'val_resize_size', 'classic_transforms', 'pipeline_stage_times', 'jpeg_size',
            'pil_to_uint8', 'decode_fast', 'CropParams', 'sample_crop', 'center_crop_params', 'largest_dct_reduction',
            'resized_crop_uint8', 'FastTrainTransform', 'FastValTransform', 'imagenet_mean_std_255',
-           'normalize_on_device', 'progressive_resolution', 'resize_batch']
+           'normalize_on_device', 'Presizer', 'progressive_resolution', 'resize_batch']
 
 # %% ../notebooks/07_data_pipeline.ipynb #22f081a8
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -314,6 +314,46 @@ def normalize_on_device(images: Tensor, channels_last: bool = False) -> Tensor:
     if channels_last and images.dim() == 4:
         images = images.contiguous(memory_format=torch.channels_last)
     return images
+
+# %% ../notebooks/07_data_pipeline.ipynb #6b2d4f81
+class Presizer:
+    """An image's bytes pre-sized for storage (07 §5): unchanged when its longer side is at most `max_side`; else
+    decoded as training decodes it, shrunk so that this side is `max_side` (aspect kept, Lanczos) and saved as a
+    JPEG of `jpeg_quality`. `counts`: images resized, kept, and unreadable (kept as they are, for training to name)."""
+
+    def __init__(self, max_side: int, jpeg_quality: int = 90):
+        if (
+            int(max_side) != max_side
+            or max_side < 1
+            or int(jpeg_quality) != jpeg_quality
+            or not 1 <= jpeg_quality <= 100
+        ):
+            raise ValueError(
+                f"need an integer max_side >= 1 and jpeg_quality in [1, 100], got {max_side}, {jpeg_quality}"
+            )
+        self.settings = {"max_side": int(max_side), "jpeg_quality": int(jpeg_quality)}
+        self.counts = {"resized": 0, "kept": 0, "unreadable": 0}
+
+    def __call__(self, data: bytes) -> bytes:
+        try:
+            with Image.open(io.BytesIO(data)) as im:  # reads the header only
+                width, height = im.size
+            small = self._shrink(data, height, width) if max(width, height) > self.settings["max_side"] else None
+        except (OSError, ValueError, RuntimeError, SyntaxError, Image.DecompressionBombError):  # a bad file
+            self.counts["unreadable"] += 1
+            return data
+        self.counts["kept" if small is None else "resized"] += 1
+        return data if small is None else small
+
+    def _shrink(self, data: bytes, height: int, width: int) -> bytes:
+        scale = self.settings["max_side"] / max(height, width)
+        size = (max(1, round(width * scale)), max(1, round(height * scale)))
+        reduce = next(k for k in (8, 4, 2, 1) if k * scale <= 1)  # DCT-domain decoding while it stays >= size
+        pixels = decode_fast(torch.frombuffer(bytearray(data), dtype=torch.uint8), reduce=reduce)
+        small = Image.fromarray(pixels.permute(1, 2, 0).numpy()).resize(size, Image.Resampling.LANCZOS)
+        out = io.BytesIO()
+        small.save(out, "JPEG", quality=self.settings["jpeg_quality"])
+        return out.getvalue()
 
 # %% ../notebooks/07_data_pipeline.ipynb #744cd414
 def progressive_resolution(
