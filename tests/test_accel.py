@@ -145,7 +145,7 @@ def _two_process_metrics(out_dir: str) -> None:
         local.update(logits, labels, loss)
     local_result = local.compute()
 
-    # sync_on_compute=True: update with local tensors, torchmetrics sums the states at compute().
+    # sync_on_compute=True: update with local tensors, compute() adds the sums over the processes (all_reduce).
     synced_padded = ClassificationMetrics(NUM_CLASSES, sync_on_compute=True)
     for logits, labels in loader:  # default even_batches: padded
         synced_padded.update(logits, labels, torch.nn.functional.cross_entropy(logits, labels, reduction="none"))
