@@ -223,6 +223,15 @@ def summed_over_processes(sums: dict) -> dict:
         dist.all_reduce(value)  # every process must call compute(): a collective, like torchmetrics' sync
     return total
 
+
+def _add_batch(sums: dict, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, top_k: int) -> None:
+    """Add one checked batch to the sums: correct top-1 and top-k predictions, summed loss, samples."""
+    hits = logits.topk(top_k, dim=1).indices == labels[:, None]  # (batch, k): True where the label is
+    sums["correct1"] += hits[:, 0].sum()
+    sums["correctk"] += hits.any(dim=1).sum()
+    sums["loss_sum"] += loss.to(sums["loss_sum"].dtype).sum()
+    sums["count"] += labels.shape[0]
+
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #a4579dee
 def _checked_batch(logits: torch.Tensor, labels: torch.Tensor, loss, num_classes: int, device: torch.device) -> tuple:
     """`ClassificationMetrics.update`'s batch, checked, on `device`: a per-sample loss stays one, a scalar (the batch
@@ -289,12 +298,7 @@ class ClassificationMetrics:
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor | float | None = None) -> None:
         """Add a batch: `logits` (B, C), `labels` (B,), `loss` per sample (B,), exact, or the batch mean."""
-        logits, labels, loss = _checked_batch(logits, labels, loss, self.num_classes, self.device)
-        hits = logits.topk(self.top_k, dim=1).indices == labels[:, None]  # (batch, k): True where the label is
-        self.sums["correct1"] += hits[:, 0].sum()
-        self.sums["correctk"] += hits.any(dim=1).sum()
-        self.sums["loss_sum"] += loss.to(self.loss_dtype).sum()
-        self.sums["count"] += labels.shape[0]
+        _add_batch(self.sums, *_checked_batch(logits, labels, loss, self.num_classes, self.device), self.top_k)
 
     def gather_update(
         self, accelerator, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor | None = None
@@ -306,8 +310,7 @@ class ClassificationMetrics:
             self.update(logits, labels, loss)
 
     def compute(self) -> dict:
-        """`{"loss", "top1", "top5", "count"}`: mean loss, accuracies in %, samples seen (int). With
-        `sync_on_compute=True` every process must call it (the sums are added over the processes)."""
+        """`{"loss", "top1", "top5", "count"}` (accuracies in %); with `sync_on_compute`, call it on every process."""
         return _rates(summed_over_processes(self.sums) if self.sync_on_compute else self.sums)
 
     def reset(self) -> None:
