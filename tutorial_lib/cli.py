@@ -428,7 +428,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         help="execute the notebooks in full mode, outputs written in place (then nbdev-clean)",
     )
     run.add_argument(
-        "notebooks", nargs="*", help="notebook files; default: every notebook of notebooks/ here, in reading order"
+        "notebooks", nargs="*", help="notebook files (default: every notebook of notebooks/ here, in reading order)"
     )
     run.add_argument("--smoke", action="store_true", help="the small sizes the tests use; the files are left alone")
     return parser
