@@ -783,7 +783,7 @@ def run_command(args: argparse.Namespace) -> int | None:
         if args.command == "prepare-val":
             prepare_val(args.val_dir, args.mapping, apply=args.apply, link=args.link, out_dir=args.out)
         elif args.command == "shard":
-            presize = {"max_side": args.max_side, "jpeg_quality": args.jpeg_quality or 90} if args.max_side else {}
+            presize = {k: v for k, v in [("max_side", args.max_side), ("jpeg_quality", args.jpeg_quality)] if v}
             print(write_shards(args.src, args.out, args.shard_mb, progress_interval=args.progress_interval, **presize))
         else:
             from_archives(args.archive_dir, args.out, progress_interval=args.progress_interval)
