@@ -281,3 +281,51 @@ def test_two_process_exact_metrics_hold_their_tolerance_at_any_thread_count(tmp_
     assert got["threads"] == threads
     assert got["count"] == N_SAMPLES and got["top1"] == single["top1"] and got["top5"] == single["top5"], (got, single)
     assert abs(got["loss"] - single["loss"]) < 1e-9, (got, single)
+
+
+# ---- --mixed_precision auto ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "capability, chosen",
+    [
+        ((7, 0), "fp16"),
+        ((7, 5), "fp16"),
+        ((8, 0), "bf16"),
+        ((8, 6), "bf16"),
+        ((8, 9), "bf16"),
+        ((9, 0), "bf16"),
+        (None, "no"),
+    ],
+)  # V100, T4, A100, A10/RTX 30xx, L4, H100, no GPU
+def test_auto_mixed_precision_picks_bf16_only_where_the_gpu_has_it_natively(capability, chosen):
+    from tutorial_lib.accel import auto_mixed_precision
+
+    precision, why = auto_mixed_precision(capability)
+    assert precision == chosen and why
+
+
+def test_auto_reads_the_capability_of_this_process_gpu(monkeypatch):
+    from tutorial_lib import accel
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: asked.append(index) or (7, 5))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert accel._device_capability(asked_cpu=False) == (7, 5) and asked == [1], "the GPU of LOCAL_RANK"
+    assert accel.auto_mixed_precision(accel._device_capability(asked_cpu=False))[0] == "fp16"  # a T4
+    assert accel._device_capability(asked_cpu=True) is None, "--cpu: no GPU asked about"
+
+
+def test_build_accelerator_auto_on_a_cpu_trains_in_fp32_and_says_why(capsys):
+    from tutorial_lib.accel import build_accelerator
+
+    accelerator = build_accelerator(cpu=True, mixed_precision="auto")
+    assert accelerator.mixed_precision == "no"
+    assert "mixed precision auto: no: no GPU" in capsys.readouterr().out
+
+
+def test_the_training_flags_accept_auto():
+    from tutorial_lib.flags import default_args
+
+    assert default_args(mixed_precision="auto").mixed_precision == "auto"

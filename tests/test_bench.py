@@ -29,7 +29,7 @@ from tutorial_lib.bench import (
     run_gpu_benchmark,
     run_loop_benchmark,
 )
-from tutorial_lib.core import StepTimer, count_training_flops, mfu, peak_flops_for
+from tutorial_lib.core import StepTimer, count_training_flops, mfu, mfu_unknown_note, peak_flops_for
 from tutorial_lib.timing import (
     alternate,
     make_bare_step,
@@ -84,6 +84,23 @@ def test_peak_table_knows_h200_h100_a100_and_prefers_the_most_specific_name():
     assert peak_flops_for("NVIDIA A100-SXM4-80GB") == 312e12
     assert peak_flops_for("NVIDIA A10") == 125e12
     assert peak_flops_for("NVIDIA L40S") == 362e12 and peak_flops_for("NVIDIA L4") == 121e12
+
+
+def test_peak_table_knows_the_gpus_of_free_notebooks_and_clouds_by_their_cuda_names():
+    # the names torch.cuda.get_device_name returns on Colab, Kaggle and the clouds
+    assert peak_flops_for("Tesla T4") == 65e12  # fp16: no bf16 before Ampere
+    assert peak_flops_for("Tesla V100-SXM2-16GB") == 125e12
+    assert peak_flops_for("Tesla V100-PCIE-32GB") == 112e12 and peak_flops_for("Tesla V100S-PCIE-32GB") == 130e12
+    assert peak_flops_for("NVIDIA L40") == 181e12 and peak_flops_for("NVIDIA H200 NVL") == 835e12
+    assert peak_flops_for("NVIDIA A100-PCIE-40GB") == 312e12
+
+
+def test_a_gpu_without_a_datasheet_peak_reports_mfu_unknown_and_says_why():
+    assert peak_flops_for("NVIDIA A10G") is None, "A10G must not borrow the A10's figure"
+    assert "no datasheet peak" in mfu_unknown_note("NVIDIA A10G")
+    assert "not in the table" in mfu_unknown_note("Some Future GPU")
+    assert mfu_unknown_note("NVIDIA H100 80GB HBM3") is None
+    assert peak_flops_for("NVIDIA A10G", peak_tflops=70) == 70e12, "--peak_tflops still gives one"
 
 
 def test_user_peak_overrides_the_table_and_unknown_devices_get_none():

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from tutorial_lib.launching import launch_with_timeout
+from tutorial_lib.launching import hosted_runtime, launch_records, launch_runs_in_kernel, launch_with_timeout, report
 
 
 def hang_once_on_rank_1(marker: str) -> None:
@@ -81,3 +81,60 @@ def test_launched_processes_compute_on_one_thread_without_accelerates_warning(tm
         assert not any("OMP_NUM_THREADS" in w for w in warned), warned
     assert "OMP_NUM_THREADS" not in os.environ, "the launching process's environment is restored"
     assert "Launching training on" not in capsys.readouterr().out, "no 'N CUDAs' banner on a CPU"
+
+
+# ---- hosted notebooks -----------------------------------------------------------------------------
+
+
+class FakeShell:
+    def __init__(self, name: str):
+        self.name = name
+
+    def __str__(self) -> str:
+        return f"<{self.name} object at 0x7f>"
+
+
+@pytest.mark.parametrize(
+    "environ, shell, expected",
+    [
+        ({}, None, None),  # a script
+        ({"HOME": "/home/me"}, "ipykernel.zmqshell.ZMQInteractiveShell", None),  # JupyterLab on a laptop
+        ({"KAGGLE_KERNEL_RUN_TYPE": "Interactive"}, "ipykernel.zmqshell.ZMQInteractiveShell", "kaggle"),
+        ({}, "google.colab._shell.Shell", "colab"),  # a Colab kernel
+        ({"COLAB_RELEASE_TAG": "release-colab_20261120"}, None, "colab"),  # a subprocess of one
+    ],
+)
+def test_hosted_runtime_is_recognised_from_the_signs_notebook_launcher_reads(monkeypatch, environ, shell, expected):
+    import IPython
+
+    monkeypatch.setattr(IPython, "get_ipython", lambda: FakeShell(shell) if shell else None)
+    assert hosted_runtime(environ) == expected
+
+
+def test_only_colab_with_fewer_than_two_gpus_keeps_a_launch_in_the_kernel():
+    assert launch_runs_in_kernel(2, runtime="colab", gpus=1) and launch_runs_in_kernel(2, runtime="colab", gpus=0)
+    assert not launch_runs_in_kernel(2, runtime="colab", gpus=2)
+    assert not launch_runs_in_kernel(2, runtime="kaggle", gpus=2), "Kaggle's 2 x T4 launches 2 processes"
+    assert not launch_runs_in_kernel(2, runtime=None, gpus=0), "a laptop launches CPU processes"
+    assert not launch_runs_in_kernel(1, runtime="colab", gpus=1), "one process asked, one process run: nothing to say"
+
+
+def note_world_size(out_dir: str) -> None:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    report(accelerator, out_dir, world_size=accelerator.num_processes, pid=os.getpid())
+
+
+def test_a_launch_that_colab_keeps_in_the_kernel_is_said_before_it_runs(monkeypatch, capsys, tmp_path):
+    import IPython
+    from accelerate.state import AcceleratorState
+
+    monkeypatch.setattr(IPython, "get_ipython", lambda: FakeShell("google.colab._shell.Shell"))
+    try:
+        records = launch_records(note_world_size, num_processes=2, folder=tmp_path, timeout=60)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    out = capsys.readouterr().out
+    assert out.startswith("note: on Colab with fewer than 2 GPUs, notebook_launcher runs the function once"), out
+    assert records == [{"world_size": 1, "pid": os.getpid()}], "accelerate really ran it here, as one process"

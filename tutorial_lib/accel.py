@@ -14,8 +14,8 @@ from .core import UserError
 
 # %% auto #0
 __all__ = ['IGNORE_LABEL', 'METRIC_SUMS', 'process_index', 'is_main_process', 'MetricsLogger', 'read_metrics',
-           'format_metrics_table', 'LaunchError', 'MissingPathError', 'overlapping_copies', 'build_accelerator',
-           'summed_over_processes', 'gather_batch', 'ClassificationMetrics', 'merge_metrics']
+           'format_metrics_table', 'LaunchError', 'MissingPathError', 'overlapping_copies', 'auto_mixed_precision',
+           'build_accelerator', 'summed_over_processes', 'gather_batch', 'ClassificationMetrics', 'merge_metrics']
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #00edb7a2
 def process_index(accelerator=None) -> int:
@@ -133,6 +133,24 @@ def overlapping_copies(cpu: bool = False) -> bool:
     return torch.cuda.is_available() and not cpu
 
 
+def auto_mixed_precision(capability: tuple[int, int] | None) -> tuple[str, str]:
+    """What `mixed_precision="auto"` (`--mixed_precision auto`) picks for a GPU of CUDA compute `capability`
+    (None: no GPU), and why, in words for the run's first lines."""
+    if capability is None:
+        return "no", "no GPU: fp32 (a CPU has no fp16 autocast, and without bf16 matrix units bf16 only slows it)"
+    version = f"compute capability {capability[0]}.{capability[1]}"
+    if tuple(capability) >= (8, 0):  # Ampere and newer have bf16 tensor cores
+        return "bf16", f"{version} computes bf16 natively"
+    return "fp16", f"{version} has no native bf16 (T4, V100): fp16, with a gradient scaler against underflow (03)"
+
+
+def _device_capability(asked_cpu: bool) -> tuple[int, int] | None:
+    """This process's GPU's compute capability (the one `LOCAL_RANK` names), None on a CPU run."""
+    if asked_cpu or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def _refuse_what_cannot_work(accelerator, asked_cpu: bool) -> None:
     """`build_accelerator`'s checks of the `Accelerator` it built: fp16 on a CPU and launched processes that are not
     connected are refused; a CPU run that did not ask for the CPU is said."""
@@ -179,7 +197,8 @@ def build_accelerator(
     scheduler only when told (`step_scheduler_with_optimizer=False`, 05/08b), copies batches to the GPU
     without waiting. Says at start what would otherwise happen silently: it refuses fp16 on a CPU
     (Accelerate would run fp32), `accelerate launch --cpu --num_processes 2` (one process, not 2) and
-    launched processes that did not join one group, and notes a CPU run that did not ask for the CPU."""
+    launched processes that did not join one group, and notes a CPU run that did not ask for the CPU.
+    `mixed_precision="auto"`: bf16, fp16 or fp32, whichever this device computes best (`auto_mixed_precision`)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DataLoaderConfiguration
@@ -191,6 +210,9 @@ def build_accelerator(
             "for N CPU processes run `accelerate launch --multi_gpu --num_processes N -m tutorial_lib.train "
             "--cpu ...`, or `accelerate launch --config_file tutorial_lib/configs/cpu_2proc.yaml ...` for 2"
         )
+    chosen = None
+    if mixed_precision == "auto":
+        mixed_precision, chosen = auto_mixed_precision(_device_capability(asked_cpu))
     AcceleratorState._reset_state(reset_partial_state=False)  # keeps the process group of a launched process
     GradientState._reset_state()
     accelerator = Accelerator(
@@ -204,6 +226,8 @@ def build_accelerator(
         dataloader_config=DataLoaderConfiguration(non_blocking=overlapping_copies(cpu)),
     )
     _refuse_what_cannot_work(accelerator, asked_cpu)
+    if chosen:
+        accelerator.print(f"mixed precision auto: {accelerator.mixed_precision}: {chosen}", flush=True)
     return accelerator
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #85562c80

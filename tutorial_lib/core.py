@@ -24,9 +24,9 @@ import torch
 # %% auto #0
 __all__ = ['SMOKE_ENV_VAR', 'IMAGENET_TRAIN_IMAGES', 'RECIPE_EPOCHS', 'PEAK_BF16_TFLOPS', 'STATE_PROBE', 'smoke_mode',
            'seed_everything', 'in_notebook', 'free_port', 'fork_safe', 'scratch_dir', 'linked_subset',
-           'count_training_flops', 'training_time_seconds', 'peak_flops_for', 'mfu', 'peak_memory_bytes', 'StepClock',
-           'StepTimer', 'global_batch_size', 'environment_report', 'bf16_supported', 'accelerate_cli',
-           'cpu_launch_config', 'read_process_states', 'launch_state_probe', 'UserError']
+           'count_training_flops', 'training_time_seconds', 'peak_flops_for', 'mfu_unknown_note', 'mfu',
+           'peak_memory_bytes', 'StepClock', 'StepTimer', 'global_batch_size', 'environment_report', 'bf16_supported',
+           'accelerate_cli', 'cpu_launch_config', 'read_process_states', 'launch_state_probe', 'UserError']
 
 # %% ../notebooks/00_introduction.ipynb #a4f4ab1f
 SMOKE_ENV_VAR = "TUTORIAL_SMOKE"
@@ -154,44 +154,61 @@ def training_time_seconds(
     return images * epochs / images_per_second
 
 # %% ../notebooks/00_introduction.ipynb #5cdb51a9
-# Dense (no sparsity) bf16/fp16 tensor-core peak per GPU, in TFLOP/s, from NVIDIA's datasheets.
-# Longer names first: "A100" must win over "A10", "L40S" over "L4", "H100 PCIe" over "H100".
-# V100 and T4 have no bf16; their entry is the fp16 tensor-core peak.
-PEAK_BF16_TFLOPS: dict[str, float] = {
-    "B200": 2250.0,
-    "GH200": 989.0,
-    "H200": 989.0,
-    "H100 PCIe": 756.0,
-    "H100 NVL": 835.0,
-    "H100": 989.0,
-    "H800": 989.0,
-    "A100": 312.0,
-    "A800": 312.0,
-    "L40S": 362.0,
-    "L4": 121.0,
-    "A10": 125.0,
-    "V100": 125.0,
-    "T4": 65.0,
+# Dense (no sparsity) bf16 tensor-core peak per GPU, in TFLOP/s, from NVIDIA's datasheets (each
+# datasheet quotes "with sparsity", twice the dense figure; we halve it). Longer names are tried first:
+# "A100" must win over "A10", "L40S" over "L40" and "L4", "H100 PCIe" over "H100".
+PEAK_BF16_TFLOPS: dict[str, float | None] = {
+    "B200": 2250.0,  # HGX B200 datasheet
+    "GH200": 989.0,  # GH200 Grace Hopper Superchip datasheet
+    "H200 NVL": 835.0,  # H200 datasheet, NVL column
+    "H200": 989.0,  # H200 datasheet, SXM column: 1,979 with sparsity
+    "H100 PCIe": 756.0,  # H100 datasheet, PCIe column
+    "H100 NVL": 835.0,  # H100 datasheet, NVL column
+    "H100": 989.0,  # H100 datasheet, SXM column
+    "H800": 989.0,  # H800 SXM, same die and clocks as the H100 SXM
+    "A100": 312.0,  # A100 datasheet (SXM and PCIe alike)
+    "A800": 312.0,  # A800, the A100's export variant
+    "L40S": 362.0,  # L40S datasheet: 362.05
+    "L40": 181.0,  # L40 datasheet: 181.05
+    "L4": 121.0,  # L4 datasheet: 242 with sparsity
+    "A10G": None,  # AWS's variant of the A10: NVIDIA publishes no datasheet for it, so MFU is unknown
+    "A10": 125.0,  # A10 datasheet
+    # V100 and T4 have no bf16: their entries are the fp16 tensor-core peaks, the precision they train in (03)
+    "V100-PCIE": 112.0,  # V100 datasheet, PCIe column
+    "V100S": 130.0,  # V100S PCIe datasheet
+    "V100": 125.0,  # V100 datasheet, SXM2 column
+    "T4": 65.0,  # T4 datasheet: "mixed precision (FP16/FP32)"
 }
 
 # %% ../notebooks/00_introduction.ipynb #c91b3871
+def _peak_entry(device_name: str) -> str | None:
+    """The key of PEAK_BF16_TFLOPS whose name `device_name` contains (the longest such), or None."""
+    name = device_name.upper()
+    return next((key for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True) if key.upper() in name), None)
+
+
 def peak_flops_for(device_name: str | None, peak_tflops: float | None = None) -> float | None:
     """Peak dense bf16 FLOP/s of a GPU named `device_name`, or `peak_tflops` × 1e12 when given.
 
-    Returns None for an unknown device (e.g. a CPU): MFU is then not reported rather than guessed.
-    Pass `peak_tflops` (`--peak_tflops` of the training script and of `bench gpu`) for a GPU missing
-    from the table."""
+    Returns None for a CPU and for a GPU without a datasheet figure: MFU is then not reported rather
+    than guessed (`mfu_unknown_note` says why). Pass `peak_tflops` (`--peak_tflops` of the training
+    script and of `bench gpu`) for a GPU the table lacks."""
     if peak_tflops is not None:
         if peak_tflops <= 0:
             raise ValueError(f"peak_tflops must be positive, got {peak_tflops}")
         return float(peak_tflops) * 1e12
-    if not device_name:
+    key = _peak_entry(device_name) if device_name else None
+    peak = PEAK_BF16_TFLOPS[key] if key else None
+    return peak * 1e12 if peak else None
+
+
+def mfu_unknown_note(device_name: str) -> str | None:
+    """The line a run on GPU `device_name` prints at start when its MFU will not be reported; None when it will."""
+    if peak_flops_for(device_name) is not None:
         return None
-    name = device_name.upper()
-    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
-        if key.upper() in name:
-            return PEAK_BF16_TFLOPS[key] * 1e12
-    return None
+    known = _peak_entry(device_name) is not None
+    why = "NVIDIA publishes no datasheet peak for it" if known else "it is not in the table of datasheet peaks"
+    return f"note: MFU unknown on {device_name}: {why}; pass --peak_tflops with its dense bf16 peak to report it"
 
 
 def mfu(images_per_sec: float, flops_per_image: float, peak_flops: float | None) -> float | None:

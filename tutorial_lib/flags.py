@@ -148,9 +148,10 @@ def add_run_and_data_flags(group, data) -> None:
     add("--cpu", action="store_true", help="run on CPU even if a GPU is present")
     add(
         "--mixed_precision",
-        choices=["no", "bf16", "fp16"],
+        choices=["no", "bf16", "fp16", "auto"],
         default=None,
-        help="precision of the forward pass (default: what `accelerate config`/`accelerate launch` says, else no)",
+        help="precision of the forward pass; auto: bf16 where the GPU has it natively, else fp16, fp32 on a CPU "
+        "(default: what `accelerate config`/`accelerate launch` says, else no)",
     )
     add(
         "--log_with",

@@ -18,8 +18,44 @@ from .accel import is_main_process
 from .core import fork_safe, free_port
 
 # %% auto #0
-__all__ = ['LAUNCHERS', 'EXIT_STATUS_ENV', 'launch_with_timeout', 'report', 'launch_records', 'launcher_name', 'follow_launcher',
-           'record_exit_status', 'read_exit_status']
+__all__ = ['LAUNCHERS', 'EXIT_STATUS_ENV', 'hosted_runtime', 'launch_runs_in_kernel', 'in_kernel_note', 'launch_with_timeout',
+           'report', 'launch_records', 'launcher_name', 'follow_launcher', 'record_exit_status', 'read_exit_status']
+
+# %% ../notebooks/06c_launching.ipynb #6541b1f9
+# Where notebook_launcher does not launch at all (launch_with_timeout says so): section 3 shows it.
+def hosted_runtime(environ: dict | None = None) -> str | None:
+    """'kaggle' or 'colab' when this kernel runs on that hosted service, else None (a laptop, a cluster) (06c).
+
+    The signs are those `notebook_launcher` reads: any `KAGGLE_*` environment variable; a Colab IPython
+    shell (class from `google.colab`), or Colab's `COLAB_RELEASE_TAG`, which its subprocesses inherit."""
+    environ = os.environ if environ is None else environ
+    if any(key.startswith("KAGGLE") for key in environ):
+        return "kaggle"
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if "COLAB_RELEASE_TAG" in environ or "google.colab" in str(shell):
+        return "colab"
+    return None
+
+
+def launch_runs_in_kernel(num_processes: int, runtime: str | None = None, gpus: int | None = None) -> bool:
+    """Whether `notebook_launcher(fn, args, num_processes)` would call `fn` once in this process instead of
+    launching `num_processes` (> 1): on Colab with fewer than 2 GPUs. `runtime` and `gpus` default to this
+    machine's (`hosted_runtime`, `torch.cuda.device_count`, which counts without initialising CUDA)."""
+    import torch
+
+    runtime = hosted_runtime() if runtime is None else runtime
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    return num_processes > 1 and runtime == "colab" and gpus < 2
+
+
+def in_kernel_note(num_processes: int) -> str:
+    """What `launch_with_timeout` prints before a launch that `notebook_launcher` keeps in the kernel."""
+    return (
+        f"note: on Colab with fewer than 2 GPUs, notebook_launcher runs the function once, in this kernel, "
+        f"not on {num_processes} processes: the run has 1 process and a world size of 1. For {num_processes} "
+        f"processes use a machine with {num_processes} GPUs (Kaggle's 2 x T4 has 2) or `accelerate launch`."
+    )
 
 # %% ../notebooks/06c_launching.ipynb #8f8d11a1
 def launch_with_timeout(
@@ -33,8 +69,15 @@ def launch_with_timeout(
     processes run (SIGTERM, Ctrl-C) reaches them: torch's agent inside `notebook_launcher` passes it on and
     waits for them (up to `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, 30 s by default), so a training run checkpoints and
     stops; then this raises `SystemExit(128 + the signal's number)`, `KeyboardInterrupt` for Ctrl-C. The
-    handlers the agent installs in this process are removed afterwards."""
+    handlers the agent installs in this process are removed afterwards. Where `notebook_launcher` runs `fn`
+    once inside this process instead (Colab with fewer than 2 GPUs, `launch_runs_in_kernel`), it says so first."""
     from accelerate import notebook_launcher
+
+    if launch_runs_in_kernel(num_processes):
+        print(in_kernel_note(num_processes), flush=True)
+        with contextlib.redirect_stdout(_WithoutLaunchBanner(sys.stdout)):
+            notebook_launcher(fn, args, num_processes=num_processes)  # calls fn(*args) here: no fork, no timeout
+        return
 
     def kill_workers(timed_out: threading.Event, before: set) -> None:
         timed_out.set()
@@ -111,10 +154,12 @@ def launch_records(
 ) -> list[dict]:
     """Run `fn(out_dir, *args)` on `num_processes` processes with `launch_with_timeout` and return what each
     process saved with `report`, in rank order: a launched function cannot return a value to the notebook (06c).
-    `out_dir` is a new folder inside `folder` (the system's temporary folder when None)."""
+    `out_dir` is a new folder inside `folder` (the system's temporary folder when None). One record where the
+    launcher runs `fn` once in this process (`launch_runs_in_kernel`)."""
     out_dir = Path(tempfile.mkdtemp(dir=folder))
+    ran = 1 if launch_runs_in_kernel(num_processes) else num_processes
     launch_with_timeout(fn, (str(out_dir), *args), num_processes=num_processes, timeout=timeout)
-    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(num_processes)]
+    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(ran)]
 
 # %% ../notebooks/06c_launching.ipynb #026379fa
 LAUNCHERS = (

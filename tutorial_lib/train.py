@@ -55,6 +55,7 @@ from tutorial_lib.core import (
     count_training_flops,
     global_batch_size,
     in_notebook,
+    mfu_unknown_note,
     peak_flops_for,
 )
 from tutorial_lib.flags import (
@@ -384,6 +385,8 @@ def setup_run(
         "model_signature": model_signature(accelerator.unwrap_model(model)),
     }
     device_name = torch.cuda.get_device_name(accelerator.device) if accelerator.device.type == "cuda" else None
+    if device_name and args.peak_tflops is None and mfu_unknown_note(device_name):
+        accelerator.print(mfu_unknown_note(device_name), flush=True)  # said at start, not discovered in the logs
     return Run(
         args=args,
         accelerator=accelerator,
