@@ -547,7 +547,7 @@ def fully_shard_blocks(model: nn.Module, wrap: str) -> int:
         from torch.distributed._composable.fsdp import fully_shard
 
     units = [m for m in model.modules() if type(m).__name__ == wrap]
-    for unit in units:
+    for unit in reversed(units):  # bottom-up, as fully_shard requires: a unit inside another one goes first
         fully_shard(unit)  # one FSDP unit per block: gathered and freed on its own
     fully_shard(model)  # the rest (stem, classifier) in the root unit
     return len(units) + 1
