@@ -29,6 +29,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'tutorial_lib.accel._add_batch': ('accelerate_fundamentals.html#_add_batch', 'tutorial_lib/accel.py'),
                                     'tutorial_lib.accel._checked_batch': ( 'accelerate_fundamentals.html#_checked_batch',
                                                                            'tutorial_lib/accel.py'),
+                                    'tutorial_lib.accel._cpu_asked': ('accelerate_fundamentals.html#_cpu_asked', 'tutorial_lib/accel.py'),
                                     'tutorial_lib.accel._device_capability': ( 'accelerate_fundamentals.html#_device_capability',
                                                                                'tutorial_lib/accel.py'),
                                     'tutorial_lib.accel._rates': ('accelerate_fundamentals.html#_rates', 'tutorial_lib/accel.py'),

@@ -133,24 +133,6 @@ def overlapping_copies(cpu: bool = False) -> bool:
     return torch.cuda.is_available() and not cpu
 
 
-def auto_mixed_precision(capability: tuple[int, int] | None) -> tuple[str, str]:
-    """What `mixed_precision="auto"` (`--mixed_precision auto`) picks for a GPU of CUDA compute `capability`
-    (None: no GPU), and why, in words for the run's first lines."""
-    if capability is None:
-        return "no", "no GPU: fp32 (a CPU has no fp16 autocast, and without bf16 matrix units bf16 only slows it)"
-    version = f"compute capability {capability[0]}.{capability[1]}"
-    if tuple(capability) >= (8, 0):  # Ampere and newer have bf16 tensor cores
-        return "bf16", f"{version} computes bf16 natively"
-    return "fp16", f"{version} has no native bf16 (T4, V100): fp16, with a gradient scaler against underflow (03)"
-
-
-def _device_capability(asked_cpu: bool) -> tuple[int, int] | None:
-    """This process's GPU's compute capability (the one `LOCAL_RANK` names), None on a CPU run."""
-    if asked_cpu or not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_capability(int(os.environ.get("LOCAL_RANK", "0")))
-
-
 def _refuse_what_cannot_work(accelerator, asked_cpu: bool) -> None:
     """`build_accelerator`'s checks of the `Accelerator` it built: fp16 on a CPU and launched processes that are not
     connected are refused; a CPU run that did not ask for the CPU is said."""
@@ -172,6 +154,37 @@ def _refuse_what_cannot_work(accelerator, asked_cpu: bool) -> None:
             "pass --cpu to say that this is what you want",
             flush=True,
         )
+
+# %% ../notebooks/06_accelerate_fundamentals.ipynb #3a0c4aff
+def auto_mixed_precision(capability: tuple[int, int] | None) -> tuple[str, str]:
+    """What `mixed_precision="auto"` (`--mixed_precision auto`) picks for a GPU of CUDA compute `capability`
+    (None: no GPU), and why, in words for the run's first lines."""
+    if capability is None:
+        return "no", "no GPU: fp32 (a CPU has no fp16 autocast, and without bf16 matrix units bf16 only slows it)"
+    version = f"compute capability {capability[0]}.{capability[1]}"
+    if tuple(capability) >= (8, 0):  # Ampere and newer have bf16 tensor cores
+        return "bf16", f"{version} computes bf16 natively"
+    return "fp16", f"{version} has no native bf16 (T4, V100): fp16, with a gradient scaler against underflow (03)"
+
+
+def _device_capability(asked_cpu: bool) -> tuple[int, int] | None:
+    """This process's GPU's compute capability (the one `LOCAL_RANK` names), None on a CPU run."""
+    if asked_cpu or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _cpu_asked(cpu: bool) -> bool:
+    """Whether the run asked for the CPU (`cpu`, or `accelerate launch --cpu`'s `ACCELERATE_USE_CPU`). Refuses
+    `accelerate launch --cpu --num_processes N`, which starts one process, not N."""
+    asked = cpu or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    if asked and "MASTER_ADDR" in os.environ and "WORLD_SIZE" not in os.environ:
+        raise LaunchError(
+            "`accelerate launch --cpu --num_processes N` starts one process, not N (more need mpirun); "
+            "for N CPU processes run `accelerate launch --multi_gpu --num_processes N -m tutorial_lib.train "
+            "--cpu ...`, or `accelerate launch --config_file tutorial_lib/configs/cpu_2proc.yaml ...` for 2"
+        )
+    return asked
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #70af7045
 def _run_project_config(project_dir: str | os.PathLike | None):
@@ -203,14 +216,7 @@ def build_accelerator(
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DataLoaderConfiguration
 
-    asked_cpu = cpu or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
-    if asked_cpu and "MASTER_ADDR" in os.environ and "WORLD_SIZE" not in os.environ:
-        raise LaunchError(
-            "`accelerate launch --cpu --num_processes N` starts one process, not N (more need mpirun); "
-            "for N CPU processes run `accelerate launch --multi_gpu --num_processes N -m tutorial_lib.train "
-            "--cpu ...`, or `accelerate launch --config_file tutorial_lib/configs/cpu_2proc.yaml ...` for 2"
-        )
-    chosen = None
+    asked_cpu, chosen = _cpu_asked(cpu), None
     if mixed_precision == "auto":
         mixed_precision, chosen = auto_mixed_precision(_device_capability(asked_cpu))
     AcceleratorState._reset_state(reset_partial_state=False)  # keeps the process group of a launched process
