@@ -385,8 +385,9 @@ def setup_run(
         "model_signature": model_signature(accelerator.unwrap_model(model)),
     }
     device_name = torch.cuda.get_device_name(accelerator.device) if accelerator.device.type == "cuda" else None
-    if device_name and args.peak_tflops is None and mfu_unknown_note(device_name):
-        accelerator.print(mfu_unknown_note(device_name), flush=True)  # said at start, not discovered in the logs
+    unknown_peak = mfu_unknown_note(device_name) if device_name and args.peak_tflops is None else None
+    if unknown_peak:
+        accelerator.print(unknown_peak, flush=True)  # said at start, not discovered in the logs
     return Run(
         args=args,
         accelerator=accelerator,
