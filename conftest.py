@@ -39,11 +39,27 @@ def fresh_accelerate_state():
         state.GradientState._reset_state()
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full-matrix",
+        action="store_true",
+        help="also run the further combinations of the launcher, signal and thread-count matrices "
+        "(tests marked full_matrix; about 3 more minutes of test time on 2 cores)",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
-    """Notebooks train and launch processes: they are `slow` too (`pytest -m "not slow"` is the fast inner loop)."""
+    """Notebooks train and launch processes: they are `slow` too (`pytest -m "not slow"` is the fast inner loop).
+
+    A matrix (launcher x signal, thread counts) runs one representative point of each claim by default; its other
+    combinations are marked `full_matrix` and run with `--full-matrix`; without it they are reported as skipped."""
+    full = config.getoption("--full-matrix")
+    skip = pytest.mark.skip(reason="a further combination of a test matrix: run with --full-matrix")
     for item in items:
         if item.nodeid.endswith(".ipynb") or ".ipynb::" in item.nodeid:
             item.add_marker(pytest.mark.slow)
+        if "full_matrix" in item.keywords and not full:
+            item.add_marker(skip)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -259,7 +259,7 @@ debug_launcher(worker, num_processes=2)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("threads", [1, 4, pytest.param(2, marks=pytest.mark.full_matrix)])
 def test_two_process_exact_metrics_hold_their_tolerance_at_any_thread_count(tmp_path, threads):
     """06's check: counts and accuracies exactly, the loss within 1e-9. Each sample's loss is computed alone, in
     float32, the same on any process; only the float64 sum runs in another order on 2 processes than on 1, an

@@ -175,8 +175,15 @@ def notebook_launch(tmp_path, data, name, processes, **extra) -> subprocess.Pope
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("processes", [1, 2])
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl_c"])
+@pytest.mark.parametrize(  # by default SIGTERM to one process and Ctrl-C to two (the workers get it twice)
+    "signum,processes",
+    [
+        pytest.param(signal.SIGTERM, 1, id="sigterm-1"),
+        pytest.param(signal.SIGINT, 2, id="ctrl_c-2"),
+        pytest.param(signal.SIGTERM, 2, id="sigterm-2", marks=pytest.mark.full_matrix),
+        pytest.param(signal.SIGINT, 1, id="ctrl_c-1", marks=pytest.mark.full_matrix),
+    ],
+)
 def test_a_signal_to_a_notebook_launcher_process_checkpoints_and_resumes_identically(
     tmp_path, data, straight, processes, signum
 ):
@@ -255,9 +262,31 @@ CASES = {  # case -> (options, exit status, the one line's start)
 }
 
 
+# By default: the failure during training (exit 3) under each launcher, a refused flag on two processes (both refuse,
+# one says so) and the refused combination on one; --full-matrix adds the other pairs.
+EXIT_MATRIX = [
+    ("nan loss", "accelerate"),
+    ("nan loss", "accelerate_1gpu"),
+    ("nan loss", "accelerate_2proc"),
+    ("bad flag", "accelerate_2proc"),
+    ("bad flag combination", "accelerate"),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", [*ONE_PROCESS, "accelerate_2proc"])
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(
+    "case,launcher",
+    [
+        pytest.param(
+            case,
+            launcher,
+            id=f"{case}-{launcher}",
+            marks=() if (case, launcher) in EXIT_MATRIX else pytest.mark.full_matrix,
+        )
+        for case in CASES
+        for launcher in [*ONE_PROCESS, "accelerate_2proc"]
+    ],
+)
 def test_the_scripts_exit_status_and_one_line_survive_accelerate_launch(tmp_path, data, launcher, case):
     """`accelerate launch` returns 1 whatever failed (documented); the script's status reaches the status file, and
     its line is printed once, by one process, without a traceback of the script (the launcher adds its own)."""
@@ -402,7 +431,14 @@ def test_the_slurm_script_requeues_only_a_run_stopped_with_a_checkpoint_and_exit
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["python", *ONE_PROCESS, "accelerate_2proc"])
+@pytest.mark.parametrize(  # by default the run with loader workers and the 2-process launch
+    "launcher",
+    [
+        "python",
+        "accelerate_2proc",
+        *(pytest.param(launcher, marks=pytest.mark.full_matrix) for launcher in ONE_PROCESS),
+    ],
+)
 def test_ctrl_c_in_a_terminal_checkpoints_exits_130_with_one_line_and_resumes_identically(
     tmp_path, data, straight, launcher
 ):

@@ -75,7 +75,15 @@ def band(p_percent: float, n: int, k: float = 3.0) -> float:
     return k * 100 * math.sqrt(2 * p * (1 - p) / n)
 
 
-@pytest.mark.parametrize("threads,load", [(1, False), (2, False), (4, False), (2, True)])
+@pytest.mark.parametrize(  # by default 1 thread, and 2 threads under load; --full-matrix adds 2 and 4 threads
+    "threads,load",
+    [
+        (1, False),
+        (2, True),
+        pytest.param(2, False, marks=pytest.mark.full_matrix),
+        pytest.param(4, False, marks=pytest.mark.full_matrix),
+    ],
+)
 def test_ddp_equals_one_process_as_09_checks_it_at_1_2_4_threads_and_under_load(threads, load):
     # OMP_WAIT_POLICY=PASSIVE lets idle OpenMP threads sleep instead of spinning (2 processes x 4 threads on
     # 2 cores would otherwise crawl); it changes no result. Two busy processes load the CPU when asked.
