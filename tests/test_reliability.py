@@ -763,7 +763,8 @@ def test_a_one_class_dataset_and_accumulation_longer_than_an_epoch_are_refused(t
 # --- signals: finish the step, checkpoint, exit 143 ---------------------------------------------------
 
 
-@pytest.mark.parametrize("launcher", ["python", "fork"])
+# by default the forked run; test_launch_signals stops fresh `python -m` processes (Ctrl-C mid-epoch, a late SIGTERM)
+@pytest.mark.parametrize("launcher", [pytest.param("python", marks=pytest.mark.full_matrix), "fork"])
 def test_sigterm_mid_epoch_checkpoints_and_the_resumed_run_is_bit_identical(tmp_path, data, launcher):
     options = {
         **TINY,
