@@ -231,8 +231,10 @@ print(json.dumps(out))
     [  # by default DDP at 2 threads under load and FSDP at 4; --full-matrix adds the other thread counts
         ("ddp", 2, True),
         ("fsdp", 4, False),
-        *(pytest.param(*case, marks=pytest.mark.full_matrix) for case in [("ddp", 1, False), ("ddp", 2, False)]),
-        *(pytest.param(*case, marks=pytest.mark.full_matrix) for case in [("ddp", 4, False), ("fsdp", 1, False)]),
+        *(
+            pytest.param(*case, marks=pytest.mark.full_matrix)
+            for case in [("ddp", 1, False), ("ddp", 2, False), ("ddp", 4, False), ("fsdp", 1, False)]
+        ),
     ],
 )
 def test_equivalence_checks_of_02_hold_at_1_2_4_threads_and_under_load(which, threads, load):
