@@ -44,7 +44,7 @@ def pytest_addoption(parser):
         "--full-matrix",
         action="store_true",
         help="also run the further combinations of the launcher, signal and thread-count matrices "
-        "(tests marked full_matrix; about 3 more minutes of test time on 2 cores)",
+        "(tests marked full_matrix; about 2.5 more minutes on 2 cores)",
     )
 
 
