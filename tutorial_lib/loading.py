@@ -421,18 +421,30 @@ def worker_memory_over_a_pass(
     samples, num_workers: int = 2, batch_size: int = 1000, points: int = 20
 ) -> dict[int, list[tuple[int, float]]]:
     """Each loader worker's USS (MB) at about `points` moments of one pass over `samples` in order:
-    {worker id: [(samples read by all workers, USS), ...]} (07d §4)."""
-    every = max(len(samples) // points, 1)
+    {worker id: [(samples read by all workers, USS), ...]} (07d §4).
+
+    Batch k goes to worker k mod `num_workers`, so the measurements are spaced by a number of batches that shares no
+    factor with it: every worker takes its turn. This process's garbage collector is paused during the pass: a
+    collection here writes to every object the workers still share with it, and each page it copies that way would
+    count as the workers' own (a page the parent has replaced is held by the worker alone)."""
+    batches = max(len(samples) // points // batch_size, 1)
+    while math.gcd(batches, num_workers) > 1:
+        batches += 1
     loader = torch.utils.data.DataLoader(  # workers set up as build_loaders sets them up
-        SampleTableProbe(samples, every),
+        SampleTableProbe(samples, batches * batch_size),
         batch_size=batch_size,
         num_workers=num_workers,
         worker_init_fn=freeze_inherited_objects,
     )
-    seen, curves = 0, {}
-    for workers, uss in loader:
-        seen += len(workers)
-        for worker, mb in zip(workers.tolist(), uss.tolist()):
-            if not math.isnan(mb):
-                curves.setdefault(worker, []).append((seen, mb))
+    seen, curves, collecting = 0, {}, gc.isenabled()
+    gc.disable()
+    try:
+        for workers, uss in loader:
+            seen += len(workers)
+            for worker, mb in zip(workers.tolist(), uss.tolist()):
+                if not math.isnan(mb):
+                    curves.setdefault(worker, []).append((seen, mb))
+    finally:
+        if collecting:
+            gc.enable()
     return curves
