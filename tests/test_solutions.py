@@ -1,5 +1,5 @@
-"""Worked solutions: every exercise of a course notebook that has a `notebooks/solutions/` notebook links to
-its solution, and each solution gives a hint and asserts what it claims in a check cell.
+"""Worked solutions: every course notebook with exercises has a `notebooks/solutions/` notebook, every exercise links
+to its solution there, and each solution gives a hint and asserts what it claims in a check cell.
 
 The solution notebooks themselves run under nbmake with the course's notebooks."""
 
@@ -43,6 +43,13 @@ def test_there_are_solution_notebooks_and_each_answers_a_course_notebook():
     assert SOLUTIONS, "no notebooks/solutions/*.ipynb"
     for solution in SOLUTIONS:
         assert (NOTEBOOKS / solution.name).is_file(), f"{solution.name} answers no course notebook"
+
+
+def test_every_course_notebook_with_exercises_has_its_solutions_notebook():
+    with_exercises = [path.name for path in sorted(NOTEBOOKS.glob("*.ipynb")) if exercises(path)]
+    assert with_exercises, "no course notebook has an Exercises section"
+    missing = [name for name in with_exercises if not (NOTEBOOKS / "solutions" / name).is_file()]
+    assert not missing, f"exercises without a solutions notebook: {missing}"
 
 
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
