@@ -1,0 +1,166 @@
+"""The learner's real environment: JupyterLab in a real browser runs notebooks through its UI.
+
+`jupyter lab` serves a copy of a course notebook on 127.0.0.1 with a token; headless Chromium, driven by
+Playwright, opens it, runs every cell from the Run menu, and saves it. The saved file and the page then show
+what a learner would see: every cell ran, no error, every figure drawn as an image, no widget that failed.
+Skipped, with one line, where Chromium or Playwright is missing (`.ci/run` installs both)."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+# Flags for a machine without a display, a sandbox or a network: without the background-networking ones Chromium keeps
+# trying to reach its services and failing.
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+# Every cell in the page, not only the visible ones: JupyterLab otherwise renders a long notebook's cells lazily.
+LAB_SETTINGS = {"@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"}}
+PROMPTS = ".jp-NotebookPanel .jp-CodeCell .jp-InputArea-prompt"
+ALL_RAN = f"""() => {{
+    const prompts = [...document.querySelectorAll('{PROMPTS}')];
+    const busy = document.querySelector('.jp-Notebook-ExecutionIndicator[data-status="busy"]');
+    return prompts.length > 0 && !busy && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
+}}"""
+NOTEBOOKS = ["09_multi_gpu_training.ipynb", "13_troubleshooting.ipynb"]
+
+
+def _missing() -> str | None:
+    if not Path(CHROMIUM).exists():
+        return f"no Chromium at {CHROMIUM} (Debian: apt-get install chromium)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "no playwright package (pip install playwright)"
+    return None
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server on a free port of 127.0.0.1, serving a folder with copies of the notebooks."""
+    from tutorial_lib.core import free_port
+
+    root = tmp_path_factory.mktemp("lab")
+    for name in NOTEBOOKS:
+        shutil.copy(ROOT / "notebooks" / name, root / name)
+    settings = root.parent / (root.name + "_settings")
+    for name, values in LAB_SETTINGS.items():
+        path = settings / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values))
+    port, token = free_port(), "course-test-token"
+    env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(settings), "JUPYTER_RUNTIME_DIR": str(root.parent / "rt")}
+    command = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}"]
+    command += [f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--ServerApp.port_retries=0"]
+    command += [f"--LabApp.workspaces_dir={root.parent / 'workspaces'}"]  # not the user's: no tab of another run
+    command += ["--allow-root"] if os.geteuid() == 0 else []  # a CI container often runs as root
+    log = open(root.parent / "lab.log", "w")
+    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"jupyter lab did not start: {(root.parent / 'lab.log').read_text()[-2000:]}"
+                ) from None
+            time.sleep(0.5)
+    yield url, token, root
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+    log.close()
+
+
+def run_in_browser(url: str, token: str, name: str, timeout_s: float = 240) -> dict:
+    """Open `name` in JupyterLab, run every cell from the Run menu, save; what the page showed."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    from playwright.sync_api import sync_playwright
+
+    page_errors = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.on("pageerror", lambda error: page_errors.append(str(error)))
+        page.goto(f"{url}/lab/tree/{name}?reset&token={token}")  # reset: only this notebook open
+        page.locator(".jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for(
+            timeout=60_000
+        )
+        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+        page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+        # A cell waiting or running shows [*]; done, the kernel idle and no [*] left.
+        try:
+            page.wait_for_function(ALL_RAN, timeout=timeout_s * 1000, polling=500)
+        except PlaywrightTimeout:
+            prompts = page.evaluate(f"() => [...document.querySelectorAll('{PROMPTS}')].map(p => p.textContent)")
+            text = page.locator(".jp-NotebookPanel .jp-Notebook").inner_text()
+            raise AssertionError(f"cells not done after {timeout_s:g} s: {' '.join(prompts)}\n{text[-3000:]}") from None
+        page.keyboard.press("Control+s")
+        page.locator(".jp-mod-dirty").first.wait_for(state="detached", timeout=30_000)
+        shown = page.evaluate(
+            """() => ({
+                images: [...document.querySelectorAll('.jp-OutputArea-output img')].map(
+                    i => i.complete && i.naturalWidth > 0),
+                errors: document.querySelectorAll(
+                    '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.error"]').length,
+                text: document.querySelector('.jp-Notebook').innerText,
+            })"""
+        )
+        browser.close()
+    shown["page_errors"] = page_errors
+    shut_down_kernels(url, token)
+    return shown
+
+
+def shut_down_kernels(url: str, token: str) -> None:
+    """End the kernels the page started (a notebook's kernel outlives its closed tab)."""
+    headers = {"Authorization": f"token {token}"}
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/api/kernels", headers=headers)) as response:
+        kernels = json.load(response)
+    for kernel in kernels:
+        request = urllib.request.Request(f"{url}/api/kernels/{kernel['id']}", method="DELETE", headers=headers)
+        urllib.request.urlopen(request).close()
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_jupyterlab_runs_every_cell_of_the_notebook_in_a_real_browser(lab, name):
+    url, token, root = lab
+    shown = run_in_browser(url, token, name)
+    saved = json.loads((root / name).read_text())
+    code = [cell for cell in saved["cells"] if cell["cell_type"] == "code"]
+    outputs = [output for cell in code for output in cell["outputs"]]
+    assert all(cell["execution_count"] for cell in code), "a cell did not run"
+    assert not [o for o in outputs if o["output_type"] == "error"] and shown["errors"] == 0, "an error output"
+    figures = [o for o in outputs if "image/png" in o.get("data", {})]
+    original = json.loads((ROOT / "notebooks" / name).read_text())
+    committed_figures = sum(
+        "image/png" in o.get("data", {}) for c in original["cells"] if c["cell_type"] == "code" for o in c["outputs"]
+    )
+    assert len(figures) == committed_figures, (len(figures), committed_figures)  # the committed full-mode run's
+    assert shown["images"] == [True] * len(figures), "a figure not drawn as an image"
+    assert "Error displaying widget" not in shown["text"] and "Error rendering" not in shown["text"]
+    assert shown["page_errors"] == [], shown["page_errors"]
