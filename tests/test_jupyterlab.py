@@ -38,6 +38,7 @@ ALL_RAN = f"""() => {{
     const busy = document.querySelector('.jp-Notebook-ExecutionIndicator[data-status="busy"]');
     return prompts.length > 0 && !busy && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
 }}"""
+ANY_STARTED = f"() => [...document.querySelectorAll('{PROMPTS}')].some(p => /\\[(\\*|\\d+)\\]/.test(p.textContent))"
 NOTEBOOKS = ["09_multi_gpu_training.ipynb", "13_troubleshooting.ipynb"]
 
 
@@ -107,11 +108,20 @@ def run_in_browser(url: str, token: str, name: str, timeout_s: float = 240) -> d
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.on("pageerror", lambda error: page_errors.append(str(error)))
         page.goto(f"{url}/lab/tree/{name}?reset&token={token}")  # reset: only this notebook open
-        page.locator(".jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for(
-            timeout=60_000
-        )
-        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-        page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+        wait_for_idle_kernel(url, token, name)
+        # On a loaded machine the page can still be wiring the kernel to the notebook when the menu is there: a
+        # "Run All Cells" it ignores leaves every cell as it was. Such a click is made again.
+        for attempt in range(3):  # noqa: B007 (printed below)
+            page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+            page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+            try:
+                page.wait_for_function(ANY_STARTED, timeout=30_000, polling=250)
+                print(f"{name}: cells started after {attempt + 1} click(s) of Run All Cells")
+                break
+            except PlaywrightTimeout:
+                page.keyboard.press("Escape")  # close the menu if it is still open
+        else:
+            raise AssertionError("three clicks of Run > Run All Cells started no cell")
         # A cell waiting or running shows [*]; done, the kernel idle and no [*] left.
         try:
             page.wait_for_function(ALL_RAN, timeout=timeout_s * 1000, polling=500)
@@ -134,6 +144,19 @@ def run_in_browser(url: str, token: str, name: str, timeout_s: float = 240) -> d
     shown["page_errors"] = page_errors
     shut_down_kernels(url, token)
     return shown
+
+
+def wait_for_idle_kernel(url: str, token: str, name: str, timeout_s: float = 120) -> None:
+    """Until the server has started a kernel for the notebook `name` and that kernel is idle."""
+    request = urllib.request.Request(f"{url}/api/sessions", headers={"Authorization": f"token {token}"})
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(request) as response:
+            sessions = json.load(response)
+        if any(s["path"].endswith(name) and s["kernel"]["execution_state"] == "idle" for s in sessions):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"no idle kernel for {name} after {timeout_s:g} s: {sessions}")
 
 
 def shut_down_kernels(url: str, token: str) -> None:
