@@ -62,6 +62,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+class NotebooksRunInTheBrowser:
+    """A notebook that the browser test runs through JupyterLab (tests/test_jupyterlab.py) is not run by nbmake too.
+
+    Both run every cell in smoke mode in a kernel and fail on any error; the browser also checks what the page shows.
+    Where that test cannot run (no Chromium), or is not chosen, nbmake runs the notebook as it runs the others."""
+
+    @pytest.hookimpl(trylast=True)  # after `-m`, `-k` and the paths have chosen the items
+    def pytest_collection_modifyitems(self, config, items):
+        in_browser = {
+            f"notebooks/{item.callspec.params['name']}::{item.callspec.params['name']}"  # nbmake's id of the notebook
+            for item in items
+            if item.nodeid.startswith("tests/test_jupyterlab.py::")
+            and not any(mark.args and mark.args[0] for mark in item.iter_markers("skipif"))
+        }
+        twice = [item for item in items if item.nodeid in in_browser]
+        if twice:
+            config.hook.pytest_deselected(items=twice)
+            items[:] = [item for item in items if item.nodeid not in in_browser]
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(NotebooksRunInTheBrowser(), "notebooks-run-in-the-browser")
+
+
 def pytest_sessionfinish(session, exitstatus):
     session.config.stash[_EXIT_STATUS] = int(exitstatus)
 

@@ -44,3 +44,30 @@ def test_a_thread_left_behind_cannot_hold_the_finished_session(tmp_path, outcome
     # pytest's own status survives: 0 when every test passed, 1 when one failed
     assert done.returncode == (0 if outcome == "passes" else 1), done.stdout + done.stderr
     assert took < 60  # seconds, not the hour the thread would sleep
+
+
+def collected(*args: str) -> list[str]:
+    """The ids `pytest --collect-only` lists for `args` (the project's own settings)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    return [line for line in run.stdout.splitlines() if "::" in line]
+
+
+def test_a_notebook_the_browser_test_runs_is_not_run_by_nbmake_as_well():
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_jupyterlab import _missing
+
+    notebook = "notebooks/09_multi_gpu_training.ipynb"
+    nbmake_id = f"{notebook}::09_multi_gpu_training.ipynb"
+    assert nbmake_id in collected(notebook)  # alone: nbmake runs it
+    together = collected(notebook, "tests/test_jupyterlab.py")
+    browser = [i for i in together if i.startswith("tests/test_jupyterlab.py::") and "09_multi_gpu" in i]
+    assert len(browser) == 1, together
+    # with the browser test able to run, it is the one that runs the notebook; without Chromium, nbmake does
+    assert (nbmake_id in together) == (_missing() is not None), (together, _missing())
