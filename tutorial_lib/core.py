@@ -35,8 +35,8 @@ SMOKE_ENV_VAR = "TUTORIAL_SMOKE"
 def smoke_mode() -> bool:
     """True when `TUTORIAL_SMOKE` is set to a true value.
 
-    Smoke mode shrinks sizes and step counts so every notebook runs in under a minute on a laptop
-    CPU; it never changes which code runs. `TUTORIAL_SMOKE=1` turns it on."""
+    Smoke mode shrinks sizes and step counts so a notebook runs in about a minute or less on a
+    laptop CPU; it never changes which code runs. `TUTORIAL_SMOKE=1` turns it on."""
     return os.environ.get(SMOKE_ENV_VAR, "0").strip().lower() in {"1", "true", "yes", "on"}
 
 
