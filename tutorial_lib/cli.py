@@ -5,22 +5,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import io
+import json
 import math
 import os
 import re
 import sys
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from .core import SMOKE_ENV_VAR, UserError, environment_report, in_notebook
 
 # %% auto #0
-__all__ = ['positive_int', 'non_negative_int', 'positive_float', 'non_negative_float', 'COURSE_NOTEBOOKS', 'number_flag',
-           'OneLineParser', 'HelpFormatter', 'model_name', 'run_name', 'user_path', 'one_line', 'exit_code', 'cli_main',
-           'run_on_user_files', 'as_flags', 'parse_overrides', 'format_size', 'Progress', 'config_path',
-           'course_notebooks', 'merge_stream_outputs', 'run_notebooks', 'get_args_parser', 'run_command', 'main']
+__all__ = ['positive_int', 'non_negative_int', 'positive_float', 'non_negative_float', 'COURSE_NOTEBOOKS', 'WORDS_PER_MINUTE',
+           'CODE_LINES_PER_MINUTE', 'NAV_TAG', 'TIME_LINE', 'number_flag', 'OneLineParser', 'HelpFormatter',
+           'model_name', 'run_name', 'user_path', 'one_line', 'exit_code', 'cli_main', 'run_on_user_files', 'as_flags',
+           'parse_overrides', 'format_size', 'Progress', 'config_path', 'course_notebooks', 'shown_path',
+           'NotebookStats', 'notebook_stats', 'course_stats', 'format_course_map', 'navigation_text',
+           'write_navigation', 'merge_stream_outputs', 'run_notebooks', 'get_args_parser', 'run_command', 'main']
 
 # %% ../notebooks/00a_course_tools.ipynb #abf5a5d3
 def number_flag(
@@ -346,6 +351,182 @@ def course_notebooks(folder: str | os.PathLike = "notebooks") -> list[Path]:
     deepens (`00_…`), since "_" sorts before the letters."""
     return sorted(Path(folder).glob(COURSE_NOTEBOOKS))
 
+# %% ../notebooks/00a_course_tools.ipynb #c0a5e003
+def shown_path(path: str | os.PathLike) -> str:
+    """`path` as the course's programs print it: a file of the installed course as `tutorial_lib/…`, one inside the
+    current folder relative to it, any other as given. The embedded dataset then reads the same on every machine."""
+    given = Path(path)
+    if not given.is_absolute():
+        return str(given)
+    resolved = given.resolve()
+    package = Path(__file__).resolve().parent
+    if resolved.is_relative_to(package):
+        return str(Path(package.name) / resolved.relative_to(package))
+    if resolved.is_relative_to(Path.cwd().resolve()):
+        return str(resolved.relative_to(Path.cwd().resolve()))
+    return str(given)
+
+# %% ../notebooks/00a_course_tools.ipynb #c0a5e001
+# A learner's time, from what a notebook asks them to read. The rates are the course's own assumptions: careful
+# reading of technical prose with formulas, about 150 words a minute; reading and running code, about 15 lines a minute.
+# Exercises are extra. Collapsed cells (checks, figure code, library code a first read may skip) and the navigation
+# cell are not counted: a learner reads them only if they choose to.
+WORDS_PER_MINUTE = 150
+CODE_LINES_PER_MINUTE = 15
+NAV_TAG = "nav"  # the last cell of a notebook: links to the next notebook, the deep dives and the solutions
+
+
+@dataclass(frozen=True)
+class NotebookStats:
+    """What one notebook asks a learner to read: prose words, visible code lines, collapsed cells, and the time."""
+
+    name: str
+    title: str
+    words: int
+    code_lines: int
+    collapsed: int
+    checks: int
+
+    @property
+    def minutes(self) -> int:
+        """Estimated minutes to read and run it, rounded up to 5 (exercises not included)."""
+        raw = self.words / WORDS_PER_MINUTE + self.code_lines / CODE_LINES_PER_MINUTE
+        return max(5, 5 * math.ceil(raw / 5))
+
+    @property
+    def main_path(self) -> bool:
+        """Main-path notebooks are `NN_slug`; deep dives `NNa_slug`."""
+        return self.name[2] == "_"
+
+
+def _cell_text(cell: dict) -> str:
+    source = cell.get("source", "")
+    return source if isinstance(source, str) else "".join(source)
+
+
+def _collapsed(cell: dict) -> bool:
+    return bool(cell.get("metadata", {}).get("jupyter", {}).get("source_hidden"))
+
+
+def notebook_stats(path: str | os.PathLike) -> NotebookStats:
+    """Count a notebook the way a learner meets it: markdown words (the navigation cell aside), the non-blank code
+    lines of cells that are not collapsed (nbdev's `#|` directives aside), and the collapsed cells."""
+    path = Path(path)
+    cells = json.loads(path.read_text())["cells"]
+    prose = [
+        _cell_text(c) for c in cells if c["cell_type"] == "markdown" and NAV_TAG not in c["metadata"].get("tags", [])
+    ]
+    code = [c for c in cells if c["cell_type"] == "code"]
+    lines = [
+        line
+        for cell in code
+        if not _collapsed(cell)
+        for line in _cell_text(cell).splitlines()
+        if line.strip() and not line.startswith("#|")
+    ]
+    title = next((line[2:].strip() for text in prose for line in text.splitlines() if line.startswith("# ")), path.stem)
+    return NotebookStats(
+        name=path.name,
+        title=title,
+        words=sum(len(text.split()) for text in prose),
+        code_lines=len(lines),
+        collapsed=sum(_collapsed(c) for c in code),
+        checks=sum("check" in c["metadata"].get("tags", []) for c in code),
+    )
+
+
+def course_stats(folder: str | os.PathLike = "notebooks") -> list[NotebookStats]:
+    """`notebook_stats` of every course notebook in `folder`, in reading order (deep dives after their chapter)."""
+    return [notebook_stats(path) for path in course_notebooks(folder)]
+
+
+def format_course_map(stats: list[NotebookStats]) -> str:
+    """The course map: one line per notebook with its time, deep dives indented under their chapter, and totals."""
+    width = max(len(s.title) + (0 if s.main_path else 4) for s in stats)
+    rows = []
+    for s in stats:
+        indent = "" if s.main_path else "    "
+        rows.append(f"{indent}{s.title:<{width - len(indent)}} {s.minutes:>4} min")
+    main = [s for s in stats if s.main_path]
+    deep = [s for s in stats if not s.main_path]
+    hours = sum(s.minutes for s in main) / 60
+    rows.append(
+        f"main path: {len(main)} notebooks, {sum(s.words for s in main):,} words, "
+        f"{sum(s.code_lines for s in main):,} lines of code: about {hours:.1f} h, exercises extra"
+    )
+    rows.append(f"deep dives: {len(deep)} notebooks, about {sum(s.minutes for s in deep) / 60:.1f} h more")
+    return "\n".join(rows)
+
+# %% ../notebooks/00a_course_tools.ipynb #c0a5e002
+TIME_LINE = re.compile(r"^\*About \d+ minutes to read and run[^\n]*\*$", re.M)
+
+
+def _link(stats: NotebookStats, prefix: str = "") -> str:
+    return f"[{stats.title}]({prefix}{stats.name})"
+
+
+def navigation_text(stats: list[NotebookStats], index: int, folder: Path) -> str:
+    """The last cell of notebook `index`: next and previous, this chapter's deep dives (or, in a deep dive, its
+    chapter), the worked solutions, and the course map in 00."""
+    here = stats[index]
+    chapter = here.name[:2]
+    mains = [s for s in stats if s.main_path]
+    parts = []
+    if here.main_path:
+        position = mains.index(here)
+        after = mains[position + 1] if position + 1 < len(mains) else None
+        before = mains[position - 1] if position else None
+        line = f"**Next:** {_link(after)}" if after else "**You have reached the end of the main path.**"
+        parts.append(line + (f" · **Previous:** {_link(before)}" if before else ""))
+        dives = [s for s in stats if not s.main_path and s.name.startswith(chapter)]
+        if dives:
+            parts.append("**Deep dives of this chapter:** " + " · ".join(_link(s) for s in dives))
+    else:
+        home = next(s for s in mains if s.name.startswith(chapter))
+        following = stats[index + 1] if index + 1 < len(stats) else None
+        parts.append(
+            f"**Back to the chapter:** {_link(home)}" + (f" · **Next:** {_link(following)}" if following else "")
+        )
+    if (folder / "solutions" / here.name).is_file():
+        parts.append(f"**Solutions:** [worked solutions to the exercises](solutions/{here.name})")
+    parts.append("**Course map:** [every notebook and its time](00_introduction.ipynb#The-course-map)")
+    return "---\n\n" + "  \n".join(parts)
+
+
+def write_navigation(folder: str | os.PathLike = "notebooks") -> list[str]:
+    """Give every course notebook its estimated time under the title and its navigation cell at the end; return the
+    names of the notebooks changed. Run it after editing notebooks (`tutorial-lib course-map --write`)."""
+    folder = Path(folder)
+    changed: set[str] = set()
+    for _ in range(2):  # the time line and the navigation cell change the counts they are computed from: settle them
+        stats = course_stats(folder)
+        for index, s in enumerate(stats):
+            path = folder / s.name
+            nb = json.loads(path.read_text())
+            before = json.dumps(nb)
+            title_cell = next(c for c in nb["cells"] if c["cell_type"] == "markdown")
+            text = _cell_text(title_cell)
+            line = f"*About {s.minutes} minutes to read and run; exercises extra.*"
+            if TIME_LINE.search(text):
+                text = TIME_LINE.sub(line, text, count=1)
+            else:
+                title, _, rest = text.partition("\n")
+                text = f"{title}\n\n{line}\n{rest}"
+            title_cell["source"] = text.splitlines(keepends=True)
+            nav = navigation_text(stats, index, folder).splitlines(keepends=True)
+            last = nb["cells"][-1]
+            if NAV_TAG in last["metadata"].get("tags", []):
+                last["source"] = nav
+            else:
+                cell_id = hashlib.sha1(s.name.encode()).hexdigest()[:8]
+                nb["cells"].append(
+                    {"cell_type": "markdown", "id": cell_id, "metadata": {"tags": [NAV_TAG]}, "source": nav}
+                )
+            if json.dumps(nb) != before:
+                path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+                changed.add(s.name)
+    return sorted(changed)
+
 # %% ../notebooks/00a_course_tools.ipynb #a96a55ea
 def merge_stream_outputs(nb) -> int:
     """Join each run of consecutive `stdout` (or `stderr`) outputs of a cell into one; return how many were joined.
@@ -415,7 +596,7 @@ def run_notebooks(
 
 # %% ../notebooks/00a_course_tools.ipynb #365c9ede
 def get_args_parser() -> argparse.ArgumentParser:
-    """`tutorial-lib [run-notebooks [NOTEBOOK ...] [--smoke]]`: the course's tools."""
+    """`tutorial-lib [run-notebooks [NOTEBOOK ...] [--smoke] | course-map [--write]]`: the course's tools."""
     parser = OneLineParser(
         prog="tutorial-lib",
         formatter_class=HelpFormatter,
@@ -431,17 +612,34 @@ def get_args_parser() -> argparse.ArgumentParser:
         "notebooks", nargs="*", help="notebook files (default: every notebook of notebooks/ here, in reading order)"
     )
     run.add_argument("--smoke", action="store_true", help="the small sizes the tests use; the files are left alone")
+    course_map = commands.add_parser(
+        "course-map",
+        formatter_class=HelpFormatter,
+        help="every notebook's prose words, visible code lines and estimated time",
+    )
+    course_map.add_argument(
+        "--write", action="store_true", help="also write each notebook's time under its title and its navigation cell"
+    )
     return parser
 
 
 def run_command(args: argparse.Namespace) -> None:
-    """What `tutorial-lib` does with its flags: run the notebooks, or print the environment report (00)."""
+    """What `tutorial-lib` does with its flags: run the notebooks, print or write the course map, or print the
+    environment report (00)."""
     if args.command == "run-notebooks":
         paths = args.notebooks or course_notebooks()
         if not paths:
             raise UserError("no notebooks/NN_*.ipynb here: run it from the project folder, or name the notebooks")
         seconds = run_notebooks(paths, smoke=args.smoke)
         print(f"{len(seconds)} notebooks, {sum(seconds.values()) / 60:.1f} min in all")
+        return
+    if args.command == "course-map":
+        if not course_notebooks():
+            raise UserError("no notebooks/NN_*.ipynb here: run it from the project folder")
+        if args.write:
+            changed = write_navigation("notebooks")
+            print(f"updated {len(changed)} notebooks: {', '.join(changed) or 'none'}")
+        print(format_course_map(course_stats("notebooks")))
         return
     from tutorial_lib import __version__
 

@@ -29,6 +29,7 @@ from tutorial_lib.cli import (
     positive_float,
     positive_int,
     run_on_user_files,
+    shown_path,
     user_path,
 )
 from .core import UserError, in_notebook
@@ -405,7 +406,7 @@ def write_shards(
         raise ValueError(f"need shard_mb > 0 and rows_per_group >= 1, got {shard_mb} and {rows_per_group}")
     settings = Presizer(max_side, jpeg_quality).settings if max_side else None  # checked before any work
     train_dir, val_dir = find_split_dirs(root)
-    log(f"{root}: listing the images and their sizes …")
+    log(f"{shown_path(root)}: listing the images and their sizes …")
     reports = ScanReport(str(train_dir)), ScanReport(str(val_dir))
     classes, train = scan_image_folder(train_dir, reports[0])
     val_classes, val = scan_image_folder(val_dir, reports[1])
@@ -434,7 +435,8 @@ def write_shards(
     todo = [plan for plan in plans if not _complete_shard(out / plan[-1], plan[4][1] - plan[4][0], schema)]
     needed = sum(sum(sizes[a:b]) for _, _, _, sizes, (a, b), _ in todo)
     log(
-        f"{root}: {len(train)} train + {len(val)} val images, {len(classes)} classes → {len(plans)} shards of about "
+        f"{shown_path(root)}: {len(train)} train + {len(val)} val images, {len(classes)} classes → "
+        f"{len(plans)} shards of about "
         f"{shard_mb:g} MB in {out}; {len(plans) - len(todo)} already complete, {format_size(needed)} to write"
     )
     _check_free_space(out, needed, "writing the shards")

@@ -49,6 +49,7 @@ from tutorial_lib.cli import (
     Progress,
     cli_main,
     one_line,
+    shown_path,
 )
 from tutorial_lib.core import (
     StepTimer,
@@ -464,7 +465,7 @@ def open_outputs(run: Run, num_train: int, num_val: int) -> MetricsLogger:
     if accelerator.log_with:  # 06d: W&B offline without a key, never blocking; a resumed run continues its runs
         start_trackers(accelerator, args.wandb_project, config, state.wandb_run_id, args.experiment_name, run_dir)
     accelerator.print(
-        f"{args.model} on {args.path_to_data}: {num_train} train / {num_val} val images, "
+        f"{args.model} on {shown_path(args.path_to_data)}: {num_train} train / {num_val} val images, "
         f"{run.num_classes} classes; {accelerator.num_processes} process(es) on "
         f"{accelerator.device.type}, global batch {global_batch} = {args.batch_size} x "
         f"{args.gradient_accumulation_steps} x {accelerator.num_processes}; {args.lr_rule}",
