@@ -60,8 +60,8 @@ def in_notebook() -> bool:
 def free_port() -> int:
     """A free TCP port on localhost for a launcher's rendezvous.
 
-    `notebook_launcher` and `debug_launcher` default to port 29500; two notebooks run in parallel
-    (pytest-xdist) would clash, so every launch in this course asks for its own port."""
+    `notebook_launcher` and `debug_launcher` default to port 29500; two notebooks running at the same time would
+    clash, so every launch in this course asks for its own port (06c)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
