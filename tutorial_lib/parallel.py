@@ -114,7 +114,7 @@ def run_ddp_gradient_check(num_processes: int = 2, global_batch: int = 16, seed:
     if global_batch % num_processes:
         raise ValueError(f"global_batch={global_batch} must be divisible by num_processes={num_processes}")
     # debug_launcher meets its processes through a temporary file (a FileStore), not a TCP port,
-    # so runs in parallel (pytest-xdist) do not clash even though it sets MASTER_PORT=29500.
+    # so several launches at the same time do not clash even though it sets MASTER_PORT=29500.
     with tempfile.TemporaryDirectory() as out_dir:
         debug_launcher(fork_safe(ddp_gradient_worker), args=(out_dir, global_batch, seed), num_processes=num_processes)
         ranks = [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(num_processes)]
