@@ -358,8 +358,10 @@ def shown_path(path: str | os.PathLike) -> str:
     given = Path(path)
     if not given.is_absolute():
         return str(given)
+    import tutorial_lib  # where the course is installed (this function also runs in a notebook, without __file__)
+
     resolved = given.resolve()
-    package = Path(__file__).resolve().parent
+    package = Path(tutorial_lib.__file__).resolve().parent
     if resolved.is_relative_to(package):
         return str(Path(package.name) / resolved.relative_to(package))
     if resolved.is_relative_to(Path.cwd().resolve()):
