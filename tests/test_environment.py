@@ -118,7 +118,7 @@ def test_with_torch_in_place_no_requirement_pulls_cuda_packages():
         reqs = [Requirement(r) for r in distribution(dist_name).requires or []]
         return [r for r in reqs if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in extras | {""})]
 
-    seen, todo, cuda = set(), [("tutorial_lib", {"dev", "hub", "tensorboard"})], []
+    seen, todo, cuda = set(), [("tutorial_lib", {"course", "dev", "hub", "tensorboard"})], []
     while todo:
         name, extras = todo.pop()
         try:
