@@ -39,6 +39,40 @@ def fresh_accelerate_state():
         state.GradientState._reset_state()
 
 
+class FastTierViolation(Exception):
+    """A test without the `slow` mark started a process or trained: the fast tier (`-m "not slow"`) promised not to."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """In a test without the `slow` mark, starting a process (`subprocess`, `multiprocessing`, hence also accelerate's
+    launchers) or a training step (`Accelerator.backward`, which every training loop of the course calls) raises
+    `FastTierViolation`: mark the test `slow`. Its fixtures are watched too (set-up and teardown are part of the
+    protocol), so a module fixture that launches processes counts for the unmarked test that needs it. This keeps
+    `pytest -m "not slow"` the minute it promises."""
+    if item.get_closest_marker("slow") or item.nodeid.split("::")[0].endswith(".ipynb"):
+        yield
+        return
+    import multiprocessing.process
+    import subprocess
+    from unittest import mock
+
+    from accelerate import Accelerator  # first, unwatched: importing torch runs `ldconfig` once per process
+
+    def refuse(what):
+        def refused(*args, **kwargs):
+            raise FastTierViolation(f"{item.nodeid} {what} but is not marked slow: add @pytest.mark.slow")
+
+        return refused
+
+    with (
+        mock.patch.object(subprocess.Popen, "__init__", refuse("starts a process")),
+        mock.patch.object(multiprocessing.process.BaseProcess, "start", refuse("starts a process")),
+        mock.patch.object(Accelerator, "backward", refuse("trains (Accelerator.backward)")),
+    ):
+        yield
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--full-matrix",

@@ -181,6 +181,7 @@ def two_process_records(tmp_path_factory):
     return out_dir, records
 
 
+@pytest.mark.slow
 def test_gathered_metrics_count_exactly_n_samples_on_two_processes(two_process_records):
     _, records = two_process_records
     assert N_SAMPLES % (2 * BATCH_SIZE) != 0
@@ -190,6 +191,7 @@ def test_gathered_metrics_count_exactly_n_samples_on_two_processes(two_process_r
     assert sum(rec["local_count"] for rec in records) > N_SAMPLES
 
 
+@pytest.mark.slow
 def test_two_process_metrics_equal_single_process_top1_top5_and_loss(two_process_records):
     _, records = two_process_records
     ds = make_logits_dataset()
@@ -203,17 +205,20 @@ def test_two_process_metrics_equal_single_process_top1_top5_and_loss(two_process
             assert rec["exact"][key] == pytest.approx(expected[key], rel=1e-6), key
 
 
+@pytest.mark.slow
 def test_averaging_per_process_accuracies_gives_a_biased_top1(two_process_records):
     _, records = two_process_records
     expected = reference_metrics(make_logits_dataset())["top1"]
     assert abs(records[0]["naive_top1"] - expected) > 1.0, (records[0]["naive_top1"], expected)
 
 
+@pytest.mark.slow
 def test_metrics_logger_writes_once_on_two_processes(two_process_records):
     out_dir, records = two_process_records
     assert read_metrics(out_dir / "metrics.jsonl") == [{"rank": 0}]
 
 
+@pytest.mark.slow
 def test_sync_on_compute_sums_local_states_exactly_without_padding(two_process_records):
     _, records = two_process_records
     ds = make_logits_dataset()

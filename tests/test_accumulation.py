@@ -198,6 +198,7 @@ def two_process_accumulation():
     return run_accumulation_timeline(gradient_accumulation_steps=3, num_optimizer_steps=2, num_processes=2)
 
 
+@pytest.mark.slow
 def test_only_the_last_micro_step_of_each_window_all_reduces_on_two_processes(two_process_accumulation):
     t = two_process_accumulation
     assert t["num_processes"] == [2, 2]
@@ -208,6 +209,7 @@ def test_only_the_last_micro_step_of_each_window_all_reduces_on_two_processes(tw
     assert t["grads_equal_across_processes"] == [False, False, True] * 2
 
 
+@pytest.mark.slow
 def test_recorded_allreduce_times_are_ordered_and_inside_the_synchronising_backward(two_process_accumulation):
     for r in two_process_accumulation["ranks"]:
         for e in r["events"]:
@@ -216,6 +218,7 @@ def test_recorded_allreduce_times_are_ordered_and_inside_the_synchronising_backw
             assert e["bytes"] == 4 * sum(p.numel() for p in make_toy_cnn(width=32).parameters())
 
 
+@pytest.mark.slow
 def test_the_synchronised_accumulated_gradient_is_the_global_batch_gradient(two_process_accumulation):
     # Window 0 runs at the initial weights: its all-reduced gradient must be the gradient of all
     # 2 processes x 3 micro-batches x 8 = 48 samples (accelerate shards batches alternately, so these

@@ -59,6 +59,7 @@ def collected(*args: str) -> list[str]:
     return [line for line in run.stdout.splitlines() if "::" in line]
 
 
+@pytest.mark.slow
 def test_a_notebook_the_browser_test_runs_is_not_run_by_nbmake_as_well():
     sys.path.insert(0, str(ROOT / "tests"))
     from test_jupyterlab import _missing
@@ -71,3 +72,50 @@ def test_a_notebook_the_browser_test_runs_is_not_run_by_nbmake_as_well():
     assert len(browser) == 1, together
     # with the browser test able to run, it is the one that runs the notebook; without Chromium, nbmake does
     assert (nbmake_id in together) == (_missing() is not None), (together, _missing())
+
+
+STARTS_A_PROCESS = """
+import subprocess, sys
+
+import pytest
+
+
+def test_unmarked_starts_a_process():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+
+@pytest.mark.slow
+def test_marked_starts_a_process():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+
+def test_unmarked_trains():
+    import torch
+    from accelerate import Accelerator
+
+    Accelerator.backward(None, torch.ones(1, requires_grad=True).sum())  # the call every training loop makes
+
+
+def test_unmarked_pure_logic():
+    assert sorted([2, 1]) == [1, 2]
+"""
+
+
+@pytest.mark.slow
+def test_a_test_without_the_slow_mark_that_starts_a_process_or_trains_fails(tmp_path):
+    # the project's conftest over four tests: the fast tier refuses exactly the two unmarked ones that start a
+    # process or train, with a line that says what to do
+    (tmp_path / "conftest.py").write_text((ROOT / "conftest.py").read_text())
+    (tmp_path / "test_tiers.py").write_text(STARTS_A_PROCESS)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rf", "--tb=line", "-p", "no:cacheprovider", "-o", "addopts=", str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    failed = sorted(re.findall(r"^FAILED \S+::(\w+)", done.stdout, flags=re.M))
+    assert failed == ["test_unmarked_starts_a_process", "test_unmarked_trains"], done.stdout[-3000:]
+    assert "starts a process but is not marked slow: add @pytest.mark.slow" in done.stdout
+    assert "trains (Accelerator.backward) but is not marked slow" in done.stdout
+    assert "2 failed, 2 passed" in done.stdout

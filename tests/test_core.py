@@ -175,6 +175,7 @@ def test_read_process_states_sorts_by_process_index_and_refuses_an_empty_folder(
     assert [(r["process_index"], r["pid"]) for r in read_process_states(tmp_path)] == [(0, 10), (0, 20), (1, 30)]
 
 
+@pytest.mark.slow
 def test_config_default_command_writes_the_default_file_under_hf_home(tmp_path):
     import yaml
     from accelerate.commands.config.config_args import default_config_file, hf_cache_home
@@ -189,6 +190,7 @@ def test_config_default_command_writes_the_default_file_under_hf_home(tmp_path):
     assert yaml.safe_load(expected.read_text())["compute_environment"] == "LOCAL_MACHINE"
 
 
+@pytest.mark.slow
 def test_two_launched_cpu_processes_form_one_group_and_a_flag_beats_the_config_file(tmp_path):
     from tutorial_lib.core import cpu_launch_config, launch_state_probe
 
@@ -204,6 +206,7 @@ def test_two_launched_cpu_processes_form_one_group_and_a_flag_beats_the_config_f
     assert all(s["mixed_precision"] == "bf16" for s in states)  # the flag, over the file's 'no'
 
 
+@pytest.mark.slow
 def test_a_failed_launch_raises_with_the_launcher_error(tmp_path):
     from tutorial_lib.core import launch_state_probe
 

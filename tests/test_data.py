@@ -303,6 +303,7 @@ def test_skip_policy_replaces_counts_and_reports_the_bad_file(tmp_path, capsys):
     assert "skipped 2 unreadable image(s), 1 distinct file(s)" in train.skip_report()
 
 
+@pytest.mark.slow
 def test_skip_count_is_shared_by_loader_workers(tmp_path):
     root = make_tree(tmp_path / "data", per_class=4)
     for name in ["n01_0.JPEG", "n01_2.JPEG"]:
@@ -518,6 +519,7 @@ def solid_tree(root: Path, per_class: int = 5, classes=("n01", "n02")) -> dict[s
     return levels
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("pipeline", ["fast", "classic", "gpu"])
 def test_a_bad_val_image_is_dropped_never_replaced_so_each_image_counts_once(tmp_path, workers, pipeline):
@@ -549,6 +551,7 @@ def test_a_bad_val_image_is_dropped_never_replaced_so_each_image_counts_once(tmp
     assert val.skipped == 1 and val.bad_files() == [str(bad)]
 
 
+@pytest.mark.slow
 def test_skips_are_counted_per_epoch_and_named_once_with_persistent_workers(tmp_path, capfd):
     root = make_tree(tmp_path / "data", per_class=4)
     bad = [root / "train" / "n01" / "n01_1.JPEG", root / "train" / "n02" / "n02_3.JPEG"]
@@ -979,6 +982,7 @@ def _stack_in_worker(batch):
     return images, images.untyped_storage().is_shared()
 
 
+@pytest.mark.slow
 def test_worker_stacks_fast_batches_straight_into_shared_memory():
     train, val = build_datasets(embedded_data_path(), img_size=16)
     loader = DataLoader(val, batch_size=4, num_workers=1, collate_fn=_stack_in_worker)

@@ -511,6 +511,7 @@ def _ctrl_c_in_a_forked_child() -> None:
     time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_a_forked_data_loader_worker_leaves_ctrl_c_to_its_parent():
     with StopRequest(types.SimpleNamespace(num_processes=1, is_main_process=False)) as stop:
         child = multiprocessing.get_context("fork").Process(target=_ctrl_c_in_a_forked_child)

@@ -237,6 +237,7 @@ print(json.dumps(out))
         ),
     ],
 )
+@pytest.mark.slow
 def test_equivalence_checks_of_02_hold_at_1_2_4_threads_and_under_load(which, threads, load):
     # 02's equivalence comparisons, each in a fresh interpreter whose launched workers run `threads`
     # threads (OMP_NUM_THREADS set, so accelerate keeps them), optionally while two busy processes load
@@ -276,6 +277,7 @@ def resnet18_timelines():
     return run_ddp_timeline(bucket_caps_mb=(25, 2), steps=2, batch_size=2, img_size=32, arch="resnet18")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cap", [25, 2])
 def test_ddp_all_reduces_buckets_while_backward_still_runs(resnet18_timelines, cap):
     run = resnet18_timelines[cap]
@@ -289,6 +291,7 @@ def test_ddp_all_reduces_buckets_while_backward_still_runs(resnet18_timelines, c
         assert all(step["backward"][0] <= e["start"] <= e["end"] <= step["backward"][1] for e in events)
 
 
+@pytest.mark.slow
 def test_smaller_buckets_make_more_of_them(resnet18_timelines):
     assert len(resnet18_timelines[2]["bucket_mib"]) > len(resnet18_timelines[25]["bucket_mib"]) > 1
     assert max(resnet18_timelines[2]["bucket_mib"]) < max(resnet18_timelines[25]["bucket_mib"])

@@ -241,6 +241,7 @@ def run(tmp_path, name, data, **overrides) -> dict:
     )
 
 
+@pytest.mark.slow
 def test_training_from_hub_parquet_is_bit_identical_to_training_from_folders(tmp_path, hub_parquet):
     """Same order, same augmentation, same weights; a mid-epoch stop and resume on parquet, with 2 loader
     workers after the resume, also ends on the same weights."""
@@ -256,6 +257,7 @@ def test_training_from_hub_parquet_is_bit_identical_to_training_from_folders(tmp
     assert bitwise_equal(weights(tmp_path / "folders"), weights(tmp_path / "resumed"))
 
 
+@pytest.mark.slow
 def test_two_processes_shard_parquet_records_like_folders(tmp_path, hub_parquet, monkeypatch):
     """2 gloo processes × batch 8 on parquet (both converting the shards into one empty cache at once)
     against 1 process × batch 16 on folders, the set-up of test_train_distributed: every sample seen
@@ -270,6 +272,7 @@ def test_two_processes_shard_parquet_records_like_folders(tmp_path, hub_parquet,
     assert diff <= 1e-6, diff  # test_train_distributed's bound for the same runs from folders
 
 
+@pytest.mark.slow
 def test_corrupt_record_is_named_by_shard_and_row_and_skipped_on_request(tmp_path):
     src = tiny_tree(tmp_path / "src", per_class=4)
     victim = src / "train" / "n02" / "n02_1.JPEG"  # sample 5 of 8: row 1 of the second shard of two
@@ -289,6 +292,7 @@ def test_corrupt_record_is_named_by_shard_and_row_and_skipped_on_request(tmp_pat
     assert "skipped 1 unreadable" in skip.skip_report()
 
 
+@pytest.mark.slow
 def test_training_script_stops_on_a_corrupt_record_naming_it(tmp_path, capsys):
     from tutorial_lib.train import main as train_main
 
@@ -362,6 +366,7 @@ def test_unreachable_hub_id_fails_with_one_line(tmp_path):
     assert "nobody-here/no-such-dataset" in message and "hf auth login" in message and "\n" not in message
 
 
+@pytest.mark.slow
 def test_training_script_trains_from_a_hub_id_as_from_folders(tmp_path, monkeypatch, hub_parquet):
     """The Hub replaced by a local folder of the same layout: the same weights as from the folders."""
     import datasets
@@ -469,6 +474,7 @@ def test_presized_shards_keep_small_images_bytes_and_shrink_the_others_as_their_
     assert plain["written"] == 2 and shard_rows(out) == {p: (src / "train" / p).read_bytes() for p in rows}
 
 
+@pytest.mark.slow
 def test_presized_shards_train_bit_identically_to_a_folder_of_the_same_reencoded_images(tmp_path):
     from PIL import Image
 
@@ -741,6 +747,7 @@ def test_declared_counts_are_verified_and_the_official_devkit_demands_ilsvrc2012
         verify_unpacked(tmp_path / "imagenet", devkit)
 
 
+@pytest.mark.slow
 def test_data_command_line_runs_shard_and_refuses_from_archives_without_archives(tmp_path, capsys):
     assert (
         exit_status(main, ["shard", str(tiny_tree(tmp_path / "src")), str(tmp_path / "shards"), "--shard_mb", "0.01"])

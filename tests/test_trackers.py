@@ -73,6 +73,7 @@ def log_offline(run_dir: Path, first_step: int, steps: int) -> str:
     return mode
 
 
+@pytest.mark.slow
 def test_an_offline_wandb_run_and_its_resume_are_read_back_from_their_files(no_wandb_config, monkeypatch):
     from tutorial_lib.trackers import read_wandb_offline_run
 
@@ -95,6 +96,7 @@ def test_an_offline_wandb_run_and_its_resume_are_read_back_from_their_files(no_w
     assert runs[1]["summary"]["_step"] == 6
 
 
+@pytest.mark.slow
 def test_reading_an_offline_wandb_run_stops_at_a_torn_record_and_refuses_other_files(
     tmp_path, no_wandb_config, monkeypatch
 ):

@@ -75,6 +75,7 @@ print(json.dumps({"copied": growth(copied), "shared": growth(shared)}))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(unique_memory_mb() is None, reason="no /proc/<pid>/smaps_rollup to read a worker's memory")
 def test_loader_workers_share_path_samples_but_copy_a_list_of_tuples():
     """300,000 samples, 2 workers: reading the list grows each worker by about 100 bytes per sample it reads
@@ -113,6 +114,7 @@ def _list_reader_init(self, folder) -> None:
     self.samples, self.targets = _TupleList(found), [t for _, t in found]
 
 
+@pytest.mark.slow
 def test_training_is_bit_identical_with_the_samples_in_a_list_of_tuples(tmp_path, monkeypatch):
     from tutorial_lib.flags import default_args
     from tutorial_lib.train import train
