@@ -107,6 +107,15 @@ def test_guides_named_in_the_readme_exist_and_every_guide_is_named():
     assert (ROOT / "CONTRIBUTING.md").is_file() and "](CONTRIBUTING.md)" in readme
 
 
+def test_readme_and_contributing_give_the_test_command_ci_runs():
+    """`.ci/run` runs exactly the test command that the README's last line and CONTRIBUTING.md give."""
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    command = next(line for line in reversed(ci) if line.startswith("python -m pytest"))
+    readme_line = " ".join(README.read_text().partition(CONTRIBUTING_SECTION)[2].split())
+    assert f"&& {command}`" in readme_line, (command, readme_line)
+    assert f"&& {command}\n" in CONTRIBUTING.read_text(), command
+
+
 def test_readme_names_the_websites_build_and_serve_commands():
     readme = readme_for_learners()
     assert "mkdocs build --strict" in readme and "mkdocs serve" in readme and "site/" in readme
