@@ -248,7 +248,7 @@ def expected_course_map() -> list[str]:
     lines = []
     for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb")):
         title, minutes = stated_title_and_minutes(path)
-        indent = "" if path.name[2] == "_" else "  "
+        indent = "" if path.name[2] == "_" else "    "  # four spaces: a nested list in MkDocs too
         lines.append(f"{indent}- [{title.split(':')[0].strip()}](notebooks/{path.name}) ({minutes} min)")
     return lines
 
