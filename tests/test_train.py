@@ -33,7 +33,7 @@ from tutorial_lib.flags import (
 from tutorial_lib.sources import embedded_data_path
 from tutorial_lib.train import build_training_scheduler, train
 
-pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
+# a test that starts processes or trains is marked slow (skipped by `pytest -m "not slow"`): the conftest checks it
 
 
 def run(tmp_path, name, **overrides) -> dict:
@@ -104,6 +104,7 @@ def test_help_says_batch_size_is_per_process_and_gives_the_global_batch_formula(
         assert flag in text, f"{flag} missing from --help"
 
 
+@pytest.mark.slow
 def test_module_entry_point_prints_help():
     done = subprocess.run(
         [sys.executable, "-m", "tutorial_lib.train", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120
@@ -112,6 +113,7 @@ def test_module_entry_point_prints_help():
     assert "usage: tutorial-train" in done.stdout
 
 
+@pytest.mark.slow
 def test_console_script_exits_0_after_a_successful_run(tmp_path):
     # setuptools' wrapper does `sys.exit(main())`: anything main() returned would become the exit status.
     exe = Path(sys.executable).with_name("tutorial-train")
@@ -205,6 +207,7 @@ def test_step_schedule_decays_every_lr_step_size_epochs():
     assert epoch_lr[60] == epoch_lr[89] == pytest.approx(0.001)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accumulation", [1, 3])
 def test_schedule_total_steps_and_final_lr_match_the_formula_on_one_process(tmp_path, accumulation):
     result = run(tmp_path, f"sched{accumulation}", batch_size=8, gradient_accumulation_steps=accumulation)
@@ -217,6 +220,7 @@ def test_schedule_total_steps_and_final_lr_match_the_formula_on_one_process(tmp_
 # --- accumulation -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_accumulation_8x4_gives_the_same_weights_as_batch_32(tmp_path):
     options = dict(max_train_samples=64, epochs=2)  # 2 optimizer steps per epoch either way
     big = run(tmp_path, "b32", batch_size=32, gradient_accumulation_steps=1, **options)
@@ -230,6 +234,7 @@ def test_accumulation_8x4_gives_the_same_weights_as_batch_32(tmp_path):
 # --- outputs ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_outputs_metrics_lines_and_checkpoint_rotation(tmp_path):
     result = run(tmp_path, "out", batch_size=8, epochs=3, keep_last_checkpoints=2, checkpoint_every_steps=4)
     run_dir = tmp_path / "out"
@@ -261,6 +266,7 @@ def test_outputs_metrics_lines_and_checkpoint_rotation(tmp_path):
     assert json.loads((run_dir / "config.json").read_text())["run_id"] == result["wandb_run_id"]
 
 
+@pytest.mark.slow
 def test_shipped_accelerate_configs_and_slurm_script_are_valid():
     from accelerate.commands.config.config_args import load_config_from_file
 
@@ -308,6 +314,7 @@ def straight_run(tmp_path_factory):
     return tmp / "run", result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop_after_steps,where,workers", [(3, "epoch boundary", 0), (2, "mid-epoch", 2)])
 def test_stop_and_resume_gives_bitwise_identical_weights(tmp_path, straight_run, stop_after_steps, where, workers):
     """The straight run loads data in the main process; the mid-epoch case uses 2 persistent workers
@@ -330,11 +337,13 @@ def test_stop_and_resume_gives_bitwise_identical_weights(tmp_path, straight_run,
     assert resumed["wandb_run_id"] == stopped["wandb_run_id"]  # the same W&B run continues
 
 
+@pytest.mark.slow
 def test_resume_latest_without_a_checkpoint_starts_from_scratch(tmp_path):
     result = run(tmp_path, "fresh", batch_size=16, epochs=1, resume_from_checkpoint="latest")
     assert result["finished"] and result["optimizer_steps"] == 5
 
 
+@pytest.mark.slow
 def test_resumed_run_continues_the_same_wandb_run_with_monotonic_steps(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")  # real wandb, no network
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -361,6 +370,7 @@ def test_onecycle_without_warmup_is_refused_with_the_flag_to_change(tmp_path):
     assert max(lrs) == pytest.approx(0.1) and lrs.index(max(lrs)) == 3
 
 
+@pytest.mark.slow
 def test_gradient_clipping_bounds_every_optimizer_step(tmp_path):
     """Plain SGD (no momentum, no decay) with --max_grad_norm c moves the weights by at most lr x c per step."""
     plain = dict(batch_size=16, epochs=1, momentum=0.0, weight_decay=0.0, lr_scheduler="constant", learning_rate=0.05)
@@ -378,6 +388,7 @@ def test_gradient_clipping_bounds_every_optimizer_step(tmp_path):
     assert moved(w_free) > 100 * moved(w_clipped)
 
 
+@pytest.mark.slow
 def test_mid_epoch_resume_with_another_batch_size_is_refused(tmp_path):
     run(tmp_path, "layout", batch_size=16, epochs=1, stop_after_steps=2)
     with pytest.raises(ValueError, match="same set-up"):
@@ -420,6 +431,7 @@ def test_the_v1_defaults_at_global_batch_256_are_torchvisions_recipe():
     assert (args.lr_scheduler, args.lr_step_size, args.step_lr_decay, args.epochs) == ("step", 30, 0.1, 90)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("processes, accumulation", [(1, 1), (1, 3), (2, 1), (2, 3)])
 def test_the_run_prints_and_records_the_scaled_learning_rate(tmp_path, processes, accumulation):
     options = {
@@ -490,6 +502,7 @@ def tiny_flags(tmp_path, name="first", **extra):
     return as_flags(options)
 
 
+@pytest.mark.slow
 def test_a_run_logged_to_files_has_no_carriage_returns_one_table_and_files_the_umask_allows(tmp_path):
     code, out, err = run_cli_process(tmp_path, tiny_flags(tmp_path), umask=0o027)
     assert code == 0, err[-2000:]
@@ -503,12 +516,14 @@ def test_a_run_logged_to_files_has_no_carriage_returns_one_table_and_files_the_u
         assert f.stat().st_mode & 0o777 == 0o640, (f.name, oct(f.stat().st_mode))
 
 
+@pytest.mark.slow
 def test_a_start_that_fails_leaves_no_empty_run_folder(tmp_path):
     code, out, err = run_cli_process(tmp_path, tiny_flags(tmp_path, num_classes=7))
     assert code == 2 and "--num_classes 7 but" in err
     assert not (tmp_path / "runs" / "first").exists(), "the folder made for a run that never started must go"
 
 
+@pytest.mark.slow
 def test_accelerate_launch_cpu_with_two_processes_says_it_starts_one_and_how_to_get_two(tmp_path):
     launcher = ["accelerate.commands.launch", "--cpu", "--num_processes", "2", "--main_process_port", str(free_port())]
     code, out, err = run_cli_process(tmp_path, tiny_flags(tmp_path), launcher=launcher)
@@ -517,6 +532,7 @@ def test_accelerate_launch_cpu_with_two_processes_says_it_starts_one_and_how_to_
     assert len(line) == 1 and "starts one process, not N" in line[0] and "--multi_gpu --num_processes N" in line[0]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens on a machine without a GPU")
 def test_a_gpu_config_on_a_machine_without_a_gpu_says_so_at_start(tmp_path):
     launcher = ["accelerate.commands.launch", "--config_file", str(config_path("1gpu.yaml"))]
@@ -526,6 +542,7 @@ def test_a_gpu_config_on_a_machine_without_a_gpu_says_so_at_start(tmp_path):
     assert first.startswith("note: no GPU found: training on the CPU in bf16, many times slower than on a GPU"), first
 
 
+@pytest.mark.slow
 def test_help_shows_every_default_and_costs_little_more_than_importing_torch(tmp_path):
     start = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import torch"], check=True, cwd=ROOT)
