@@ -108,7 +108,19 @@ def test_a_test_without_the_slow_mark_that_starts_a_process_or_trains_fails(tmp_
     (tmp_path / "conftest.py").write_text((ROOT / "conftest.py").read_text())
     (tmp_path / "test_tiers.py").write_text(STARTS_A_PROCESS)
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rf", "--tb=line", "-p", "no:cacheprovider", "-o", "addopts=", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rf",
+            "--tb=line",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            str(tmp_path),
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -41,7 +41,7 @@ from tutorial_lib.processes import (
 )
 from tutorial_lib.sources import IMG_EXTENSIONS
 
-pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
+# a test that starts processes or trains is marked slow (skipped by `pytest -m "not slow"`): the conftest checks it
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = CASE_RUN  # one epoch of tinycnn, batch 4 (train_helpers)
@@ -85,6 +85,7 @@ def copy_data(data: Path, tmp_path: Path) -> Path:
 # --- bad inputs: exit 2, one line, no traceback --------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flag, value, shown",
     [
@@ -97,6 +98,7 @@ def test_non_positive_or_nan_learning_rate_is_refused(tmp_path, data, flag, valu
     assert_user_error(cli(tmp_path, data, **{flag: value}), f"--learning_rate must be a positive number, got {shown}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flag, value",
     [("batch_size", 0), ("batch_size", -8), ("epochs", 0), ("epochs", -1), ("gradient_accumulation_steps", 0)],
@@ -105,6 +107,7 @@ def test_zero_or_negative_counts_are_refused(tmp_path, data, flag, value):
     assert_user_error(cli(tmp_path, data, **{flag: value}), f"--{flag} must be >= 1, got {value}")
 
 
+@pytest.mark.slow
 def test_batch_larger_than_the_training_set_is_refused(tmp_path, data):
     assert_user_error(
         cli(tmp_path, data, batch_size=64),
@@ -113,6 +116,7 @@ def test_batch_larger_than_the_training_set_is_refused(tmp_path, data):
     )
 
 
+@pytest.mark.slow
 def test_missing_data_path_is_refused(tmp_path, data):
     missing = tmp_path / "nowhere"
     assert_user_error(
@@ -123,6 +127,7 @@ def test_missing_data_path_is_refused(tmp_path, data):
     )
 
 
+@pytest.mark.slow
 def test_empty_data_path_is_refused(tmp_path, data):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -133,6 +138,7 @@ def test_empty_data_path_is_refused(tmp_path, data):
     )
 
 
+@pytest.mark.slow
 def test_empty_class_folder_is_refused(tmp_path, data):
     root = copy_data(data, tmp_path)
     for f in (root / "train" / "class_01").iterdir():
@@ -144,6 +150,7 @@ def test_empty_class_folder_is_refused(tmp_path, data):
     )
 
 
+@pytest.mark.slow
 def test_train_val_class_mismatch_is_refused(tmp_path, data):
     root = copy_data(data, tmp_path)
     (root / "val" / "class_02").rename(root / "val" / "class_99")
@@ -155,6 +162,7 @@ def test_train_val_class_mismatch_is_refused(tmp_path, data):
     )
 
 
+@pytest.mark.slow
 def test_num_classes_contradicting_the_data_is_refused(tmp_path, data):
     assert_user_error(
         cli(tmp_path, data, num_classes=5),
@@ -162,6 +170,7 @@ def test_num_classes_contradicting_the_data_is_refused(tmp_path, data):
     )
 
 
+@pytest.mark.slow
 def test_unknown_model_is_refused(tmp_path, data):
     n = len(torchvision.models.list_models(module=torchvision.models))
     assert_user_error(
@@ -171,6 +180,7 @@ def test_unknown_model_is_refused(tmp_path, data):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind, reason",
     [
@@ -189,6 +199,7 @@ def test_unreadable_image_stops_with_its_name(tmp_path, data, kind, reason):
     )
 
 
+@pytest.mark.slow
 def test_unreadable_image_is_skipped_and_counted_with_on_bad_file_skip(tmp_path, data):
     root = copy_data(data, tmp_path)
     corrupt_image(root / "train" / "class_00" / "0003.jpg", "zero_byte")
@@ -197,6 +208,7 @@ def test_unreadable_image_is_skipped_and_counted_with_on_bad_file_skip(tmp_path,
     assert "skipped" in done.stderr and "0003.jpg" in done.stderr
 
 
+@pytest.mark.slow
 def test_resume_from_a_checkpoint_that_does_not_exist_is_refused(tmp_path, data):
     missing = tmp_path / "runs" / "bad" / "checkpoints" / "step_000000999"
     assert_user_error(
@@ -206,6 +218,7 @@ def test_resume_from_a_checkpoint_that_does_not_exist_is_refused(tmp_path, data)
     )
 
 
+@pytest.mark.slow
 def test_resume_from_a_half_written_checkpoint_folder_is_refused(tmp_path, data, finished_run):
     half = tmp_path / ".tmp-step_000000004"
     shutil.copytree(latest_checkpoint(finished_run), half)
@@ -217,6 +230,7 @@ def test_resume_from_a_half_written_checkpoint_folder_is_refused(tmp_path, data,
     )
 
 
+@pytest.mark.slow
 def test_resume_from_another_models_checkpoint_is_refused(tmp_path, data, finished_run):
     ckpt = latest_checkpoint(finished_run)
     sig = json.loads((ckpt / MANIFEST).read_text())["model_signature"]
@@ -233,6 +247,7 @@ def test_resume_from_another_models_checkpoint_is_refused(tmp_path, data, finish
     )
 
 
+@pytest.mark.slow
 def test_unwritable_working_directory_is_refused(tmp_path, data):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
@@ -256,6 +271,7 @@ def test_read_only_working_directory_is_refused(tmp_path, data):
         locked.chmod(0o755)
 
 
+@pytest.mark.slow
 def test_python_m_entry_point_reports_user_errors_the_same_way(tmp_path, data):
     """The fast (forked) runs above call the same `main` as `python -m tutorial_lib.train`."""
     for options, message in [
@@ -297,6 +313,7 @@ def planted_run(tmp_path, finished_run, file_name: str, update_manifest: bool = 
     return ckpt, marker
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("file_name", ["optimizer.bin", "random_states_0.pkl", "scheduler.bin"])
 def test_planted_pickle_payload_is_refused_and_never_runs(tmp_path, data, finished_run, file_name):
     ckpt, marker = planted_run(tmp_path, finished_run, file_name)
@@ -312,6 +329,7 @@ def test_planted_pickle_payload_is_refused_and_never_runs(tmp_path, data, finish
     assert marker.exists(), "the planted payload should be live (else this test proves nothing)"
 
 
+@pytest.mark.slow
 def test_planted_payload_in_the_ema_state_is_refused(tmp_path, data):
     """--ema registers the averaged model with accelerate, which unpickles it with weights_only=False:
     verify_checkpoint must have refused a payload there before accelerate reads it."""
@@ -327,6 +345,7 @@ def test_planted_payload_in_the_ema_state_is_refused(tmp_path, data):
     assert not marker.exists(), "the payload ran"
 
 
+@pytest.mark.slow
 def test_extra_pickle_file_in_a_checkpoint_is_refused(tmp_path, data, finished_run):
     """accelerate unpickles `custom_checkpoint_*.pkl` with weights_only=False: such a file must never be loaded."""
     ckpt, marker = planted_run(tmp_path, finished_run, "custom_checkpoint_0.pkl", update_manifest=False)
@@ -338,6 +357,7 @@ def test_extra_pickle_file_in_a_checkpoint_is_refused(tmp_path, data, finished_r
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_altered_checkpoint_file_is_detected_by_its_hash(tmp_path, data, finished_run):
     run = Path(shutil.copytree(finished_run, tmp_path / "runs" / "bad"))
     ckpt = latest_checkpoint(run)
@@ -351,6 +371,7 @@ def test_altered_checkpoint_file_is_detected_by_its_hash(tmp_path, data, finishe
     )
 
 
+@pytest.mark.slow
 def test_no_checkpoint_file_is_unpickled_with_weights_only_false(finished_run):
     """Every file of a checkpoint is safetensors, JSON, or loads with weights_only=True."""
     ckpt = latest_checkpoint(finished_run)
@@ -363,6 +384,7 @@ def test_no_checkpoint_file_is_unpickled_with_weights_only_false(finished_run):
 # --- atomic checkpoints ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_latest_ignores_half_written_checkpoints_with_a_warning(tmp_path, data, finished_run):
     run = Path(shutil.copytree(finished_run, tmp_path / "runs" / "bad"))
     good = latest_checkpoint(run)
@@ -388,6 +410,7 @@ def test_latest_ignores_half_written_checkpoints_with_a_warning(tmp_path, data, 
 NAN_RUN = dict(epochs=2, checkpoint_every_steps=2, keep_last_checkpoints=10)
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path, data):
     clean = cli(tmp_path, data, **NAN_RUN, experiment_name="clean")
     assert clean.returncode == 0, clean.stderr
@@ -412,6 +435,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_p
     assert sha256_file(run / "model.safetensors") == sha256_file(tmp_path / "runs" / "clean" / "model.safetensors")
 
 
+@pytest.mark.slow
 def test_nan_loss_step_is_skipped_and_counted_with_on_nonfinite_loss_skip(tmp_path, data):
     done = cli(tmp_path, data, **NAN_RUN, inject_nan_at_steps=[3, 8], on_nonfinite_loss="skip")
     assert done.returncode == 0, done.stderr
@@ -424,6 +448,7 @@ def test_nan_loss_step_is_skipped_and_counted_with_on_nonfinite_loss_skip(tmp_pa
     assert all(torch.isfinite(t).all() for t in load_file(tmp_path / "runs" / "bad" / "model.safetensors").values())
 
 
+@pytest.mark.slow
 def test_skipping_stops_when_every_step_is_non_finite(tmp_path, data):
     done = cli(tmp_path, data, **NAN_RUN, inject_nan_at_steps=list(range(1, 13)), on_nonfinite_loss="skip")
     assert done.returncode == 3 and not done.has_traceback
@@ -436,6 +461,7 @@ def test_skipping_stops_when_every_step_is_non_finite(tmp_path, data):
 # --- no network ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_wandb_without_credentials_logs_offline_says_so_and_does_not_delay_startup(tmp_path, data):
     home = tmp_path / "home"  # no ~/.netrc, no key in the environment; any network call would go nowhere
     env = child_env(
@@ -467,6 +493,7 @@ def test_wandb_without_credentials_logs_offline_says_so_and_does_not_delay_start
     assert online.seconds - offline.seconds < 5, f"finding no key added {online.seconds - offline.seconds:.1f} s"
 
 
+@pytest.mark.slow
 def test_log_with_none_logs_locally_only(tmp_path, data):
     done = cli(tmp_path, data, log_with="none", epochs=2)
     run = tmp_path / "runs" / "bad"
@@ -478,6 +505,7 @@ def test_log_with_none_logs_locally_only(tmp_path, data):
 # --- a dying worker ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_one_failing_process_ends_the_whole_two_process_launch_quickly(tmp_path, data):
     """Process 1 meets a corrupt image in its first batch while process 0 waits for it in the all-reduce."""
     root = copy_data(data, tmp_path)
@@ -513,6 +541,7 @@ def test_one_failing_process_ends_the_whole_two_process_launch_quickly(tmp_path,
 # --- one run per folder -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_fresh_run_in_a_folder_holding_a_run_stops_and_changes_nothing(tmp_path, data, finished_run):
     run = Path(shutil.copytree(finished_run, tmp_path / "runs" / "bad"))
     before = {p.relative_to(run): sha256_file(p) for p in run.rglob("*") if p.is_file() and p.name != ".run.lock"}
@@ -526,6 +555,7 @@ def test_a_fresh_run_in_a_folder_holding_a_run_stops_and_changes_nothing(tmp_pat
     assert after == before, "the old run must be left exactly as it was"
 
 
+@pytest.mark.slow
 def test_overwrite_moves_the_old_run_aside_and_never_deletes_it(tmp_path, data, finished_run):
     run = Path(shutil.copytree(finished_run, tmp_path / "runs" / "bad"))
     old_weights = sha256_file(run / "model.safetensors")
@@ -541,6 +571,7 @@ def test_overwrite_moves_the_old_run_aside_and_never_deletes_it(tmp_path, data, 
     )
 
 
+@pytest.mark.slow
 def test_latest_resumes_only_checkpoints_of_the_folders_own_run(tmp_path, data, finished_run):
     """A checkpoint of another run (a copied folder, say) is never picked by `latest`, even with a higher step."""
     other = cli(tmp_path, data, epochs=3, checkpoint_every_steps=2, experiment_name="other")
@@ -559,6 +590,7 @@ def test_latest_resumes_only_checkpoints_of_the_folders_own_run(tmp_path, data, 
     ), done.stderr
 
 
+@pytest.mark.slow
 def test_a_second_run_at_once_is_refused_and_a_killed_runs_lock_is_taken_over(tmp_path, data):
     flags = as_flags(
         {
@@ -605,6 +637,7 @@ def test_a_second_run_at_once_is_refused_and_a_killed_runs_lock_is_taken_over(tm
 # --- resume does what the command line says ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_nan_recovery_continues_at_the_lower_learning_rate_given_on_resume(tmp_path, data):
     """The NaN guard's advice, followed: stop at the NaN, resume from the last good checkpoint with a lower LR."""
     options = dict(**NAN_RUN, lr_scheduler="constant", momentum=0.9, weight_decay=1e-4)
@@ -626,6 +659,7 @@ def test_nan_recovery_continues_at_the_lower_learning_rate_given_on_resume(tmp_p
     assert {"step": 4, "flag": "momentum", "from": 0.9, "to": 0.5} in changes, changes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change", [{"batch_size": 8}, {"gradient_accumulation_steps": 2}])
 def test_epoch_end_resume_with_another_batch_layout_still_ends_the_schedule(tmp_path, data, change):
     """A cosine schedule keeps its place (epochs done / epochs) under a new layout and ends at --lr_min."""
@@ -639,6 +673,7 @@ def test_epoch_end_resume_with_another_batch_layout_still_ends_the_schedule(tmp_
     assert final["scheduler_steps"] == 3 * steps_per_epoch
 
 
+@pytest.mark.slow
 def test_epoch_end_resume_on_two_processes_still_ends_the_schedule(tmp_path, data):
     options = {
         **TINY,
@@ -672,6 +707,7 @@ def test_epoch_end_resume_on_two_processes_still_ends_the_schedule(tmp_path, dat
     assert final["scheduler_steps"] == 3 * 3, "3 steps per epoch per process after the move to 2 processes"
 
 
+@pytest.mark.slow
 def test_a_torn_metrics_file_is_cut_back_on_resume_with_a_warning(tmp_path, data):
     options = dict(epochs=3, checkpoint_every_steps=100)
     assert cli(tmp_path, data, **options, stop_after_steps=12).returncode == 0  # after epoch 1
@@ -683,6 +719,7 @@ def test_a_torn_metrics_file_is_cut_back_on_resume_with_a_warning(tmp_path, data
     assert [json.loads(line)["epoch"] for line in metrics.read_text().splitlines()] == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_fp16_on_a_cpu_is_refused(tmp_path, data):
     assert_user_error(
         cli(tmp_path, data, mixed_precision="fp16"),
@@ -694,6 +731,7 @@ def test_fp16_on_a_cpu_is_refused(tmp_path, data):
 # --- flags that make no sense are refused before any data is read ----------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "options, message",
     [
@@ -748,6 +786,7 @@ def test_impossible_flag_values_are_refused_before_any_data_is_read(tmp_path, op
     assert main.returncode == 2 and len(main.stderr_lines) == 1 and not main.has_traceback
 
 
+@pytest.mark.slow
 def test_a_one_class_dataset_and_accumulation_longer_than_an_epoch_are_refused(tmp_path, data):
     one = copy_data(data, tmp_path)
     for split in ("train", "val"):
@@ -764,6 +803,7 @@ def test_a_one_class_dataset_and_accumulation_longer_than_an_epoch_are_refused(t
 
 
 # by default the forked run; test_launch_signals stops fresh `python -m` processes (Ctrl-C mid-epoch, a late SIGTERM)
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", [pytest.param("python", marks=pytest.mark.full_matrix), "fork"])
 def test_sigterm_mid_epoch_checkpoints_and_the_resumed_run_is_bit_identical(tmp_path, data, launcher):
     options = {
@@ -809,6 +849,7 @@ def _can_mount_a_small_disk() -> bool:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _can_mount_a_small_disk(), reason="needs `unshare -rm` to mount a small tmpfs")
 def test_a_full_disk_stops_the_save_with_one_line_and_keeps_the_previous_checkpoint(tmp_path, data):
     """In a private mount namespace, runs write to a 600 KB tmpfs: the third checkpoint (228 KB each) does not fit.
@@ -868,6 +909,7 @@ def scalar_steps(run_dir: Path, tag: str) -> list[int]:
     return steps
 
 
+@pytest.mark.slow
 def test_tensorboard_logs_offline_and_a_resumed_run_continues_its_steps(tmp_path, data):
     options = dict(epochs=3, log_with="tensorboard", checkpoint_every_steps=100)
     assert cli(tmp_path, data, **options, stop_after_steps=9).returncode == 0  # stopped in epoch 1
@@ -878,6 +920,7 @@ def test_tensorboard_logs_offline_and_a_resumed_run_continues_its_steps(tmp_path
     assert not (run / "wandb").exists()
 
 
+@pytest.mark.slow
 def test_several_trackers_at_once_and_none_alone(tmp_path, data):
     env = child_env(WANDB_MODE="offline")
     flags = as_flags({**TINY, "path_to_data": data, "working_directory": tmp_path / "runs", "experiment_name": "both"})
@@ -890,6 +933,7 @@ def test_several_trackers_at_once_and_none_alone(tmp_path, data):
     )
 
 
+@pytest.mark.slow
 def test_skipped_files_are_counted_per_epoch_named_once_and_validation_counts_each_image_once(tmp_path, data):
     root = copy_data(data, tmp_path)
     bad_train = corrupt_image(root / "train" / "class_00" / "0003.jpg", "zero_byte")
@@ -905,6 +949,7 @@ def test_skipped_files_are_counted_per_epoch_named_once_and_validation_counts_ea
     assert len(epoch_lines) == 2 and str(bad_train) in epoch_lines[0] and str(bad_train) not in epoch_lines[1]
 
 
+@pytest.mark.slow
 def test_what_the_scan_leaves_out_is_said_once(tmp_path, data):
     root = copy_data(data, tmp_path)
     (root / "train" / "class_00" / ".ipynb_checkpoints").mkdir()

@@ -22,7 +22,7 @@ from tutorial_lib.cli import as_flags
 from tutorial_lib.core import free_port
 from tutorial_lib.processes import CliResult, can_mount_small_disk, child_env, make_image_folder, run_cli
 
-pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
+# a test that starts processes or trains is marked slow (skipped by `pytest -m "not slow"`): the conftest checks it
 
 TINY = CASE_RUN  # one epoch of tinycnn, batch 4 (train_helpers)
 FRESH_RUN_REFUSAL = (
@@ -94,6 +94,7 @@ def assert_one_line_error(result: CliResult, start: str, code: int = 2) -> str:
 LEAVE = "name a folder inside it, e.g. --experiment_name resnet50_v1"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, message",
     [
@@ -152,6 +153,7 @@ def test_run_names_that_are_or_leave_the_working_directory_are_refused_before_an
         assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before, "nothing may be written"
 
 
+@pytest.mark.slow
 def test_a_run_name_with_subfolders_is_normalised_and_stays_inside(tmp_path, data):
     done = cli(tmp_path, data, name="group/./one/")
     assert done.returncode == 0, done.stderr
@@ -164,6 +166,7 @@ def test_a_run_name_with_subfolders_is_normalised_and_stays_inside(tmp_path, dat
 # --- 4. another run's checkpoint, resumed into a folder that holds a run ----------------------------------------
 
 
+@pytest.mark.slow
 def test_resuming_another_runs_checkpoint_into_a_folder_holding_a_run_is_refused_and_changes_nothing(
     tmp_path, data, run_a
 ):
@@ -181,6 +184,7 @@ def test_resuming_another_runs_checkpoint_into_a_folder_holding_a_run_is_refused
     assert run_id_of(run_b) == b_id != run_id_of(run_a)
 
 
+@pytest.mark.slow
 def test_another_runs_checkpoint_resumes_into_a_new_folder_and_leaves_it_untouched(tmp_path, data, run_a):
     a_before = files_of(run_a)
     checkpoint = list_checkpoints(run_a)[0]
@@ -191,6 +195,7 @@ def test_another_runs_checkpoint_resumes_into_a_new_folder_and_leaves_it_untouch
     assert run_id_of(tmp_path / "runs" / "fork_of_a") == run_id_of(run_a), "it continues run A's id, in its own folder"
 
 
+@pytest.mark.slow
 def test_overwrite_moves_the_folders_run_aside_to_resume_another_runs_checkpoint(tmp_path, data, run_a):
     b = cli(tmp_path, data, name="b")
     assert b.returncode == 0, b.stderr
@@ -211,6 +216,7 @@ def test_overwrite_moves_the_folders_run_aside_to_resume_another_runs_checkpoint
     )
 
 
+@pytest.mark.slow
 def test_latest_in_a_folder_without_config_json_never_adopts_a_foreign_checkpoint(tmp_path, data, run_a):
     b = cli(tmp_path, data, name="b", checkpoint_every_steps=2)
     assert b.returncode == 0, b.stderr
@@ -238,6 +244,7 @@ def test_latest_in_a_folder_without_config_json_never_adopts_a_foreign_checkpoin
 # --- 8. a damaged config.json on resume ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "damage, problem",
     [
@@ -273,6 +280,7 @@ def test_a_damaged_config_json_is_one_line_naming_it_and_the_checkpoints_still_r
 # --- 7. image sizes the model cannot take ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "options, flag, size",
     [
@@ -305,6 +313,7 @@ def test_image_sizes_the_model_cannot_take_are_refused_before_any_data_is_read(
     )
 
 
+@pytest.mark.slow
 def test_the_smallest_size_is_the_models_own_and_right(tmp_path, data):
     """Computed from the model, not a table: checked against real forward passes on the CPU for two models."""
     from tutorial_lib.flags import build_model, meta_model, smallest_input_size
@@ -348,6 +357,7 @@ def no_network_env(tmp_path: Path, **extra) -> dict:
     )
 
 
+@pytest.mark.slow
 def test_wandb_online_without_a_key_is_refused_at_start(tmp_path, data):
     env = no_network_env(tmp_path, WANDB_MODE="online")
     baseline = cli(tmp_path, data, learning_rate=0, env=env)  # a flag refused at start: the same start-up cost
@@ -361,6 +371,7 @@ def test_wandb_online_without_a_key_is_refused_at_start(tmp_path, data):
     assert not (tmp_path / "runs" / "run").exists(), "refused before anything was written"
 
 
+@pytest.mark.slow
 def test_wandb_with_a_key_and_no_network_falls_back_to_offline_and_says_so_within_seconds(tmp_path, data):
     """Against the same run offline without a key (W&B's own start-up, seconds on a busy machine, is in both): the
     missing network adds less than 5 s, where `wandb.init` online would wait about 90 s and fail."""
@@ -381,6 +392,7 @@ def test_wandb_with_a_key_and_no_network_falls_back_to_offline_and_says_so_withi
     assert online.seconds - offline.seconds < 5, f"the missing network added {online.seconds - offline.seconds:.1f} s"
 
 
+@pytest.mark.slow
 def test_an_unknown_wandb_mode_is_one_line_at_start(tmp_path, data):
     done = cli(tmp_path, data, log_with="wandb", env=no_network_env(tmp_path, WANDB_MODE="onlin"))
     assert_user_error(
@@ -391,6 +403,7 @@ def test_an_unknown_wandb_mode_is_one_line_at_start(tmp_path, data):
 # --- low: disk space, derived defaults, ~, library warnings, crafted checkpoints ---------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(can_mount_small_disk() is not None, reason="needs `unshare -rm` to mount a small tmpfs")
 def test_a_disk_too_small_for_one_checkpoint_is_refused_at_start_in_sensible_units(tmp_path, data):
     disk = tmp_path / "disk"
@@ -410,6 +423,7 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_at_start_in_sensible_uni
     assert "epoch" not in done.stdout, "refused before the first epoch"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(can_mount_small_disk() is not None, reason="needs `unshare -rm` to mount a small tmpfs")
 def test_a_disk_that_fills_at_the_final_save_is_one_line_in_sensible_units(tmp_path, data):
     """300 KB: room for the estimate (about 250 KB) and the one checkpoint (about 210 KB), not for
@@ -443,6 +457,7 @@ def test_the_derived_warmup_is_capped_in_a_short_run_and_said(tmp_path):
     assert given.lr_warmup_epochs == 0.8 and not given.lr_warmup_derived, "a given warmup is never changed"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "options, message",
     [
@@ -463,6 +478,7 @@ def test_errors_about_derived_values_say_they_were_derived(tmp_path, options, me
     assert_user_error(cli(tmp_path, tmp_path / "nowhere", **options), message)
 
 
+@pytest.mark.slow
 def test_tilde_is_expanded_in_every_path_flag(tmp_path, data):
     home = tmp_path / "home"
     shutil.copytree(data, home / "data")
@@ -516,6 +532,7 @@ def plain_pickle(path: Path) -> None:
     path.write_bytes(pickle.dumps({"state": {}, "param_groups": []}, protocol=4))
 
 
+@pytest.mark.slow
 def test_a_library_warning_never_comes_before_the_one_line(tmp_path, data, run_a):
     """A plain pickle (protocol 4, not torch's) makes torch warn as it refuses it: the user sees our line only."""
     checkpoint = crafted(tmp_path, run_a, "optimizer.bin", plain_pickle)
@@ -557,6 +574,7 @@ def _progress(change):
 ANOTHER = "it was not written by this script for this model: resume from a checkpoint of this run"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "file_name, change, message",
     [

@@ -45,9 +45,10 @@ from tutorial_lib.stress import (
     trial_kill_plans,
 )
 
-pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
+# a test that starts processes or trains is marked slow (skipped by `pytest -m "not slow"`): the conftest checks it
 
 
+@pytest.mark.slow
 def test_two_stress_trials_end_bitwise_identical_within_a_minute(tmp_path):
     start = time.perf_counter()
     results = stress_resume(trials=2, seed=0, workdir=tmp_path, kills_per_trial=3, launcher="fork")
@@ -114,6 +115,7 @@ def test_a_sigterm_must_end_in_exit_143_after_a_checkpoint_of_the_step_it_names(
     )
 
 
+@pytest.mark.slow
 def test_sigterm_trials_checkpoint_exit_143_and_resume_bitwise_identical(tmp_path):
     results = stress_resume(
         trials=1, seed=0, workdir=tmp_path, kills_per_trial=2, launcher="fork", kinds=("sigterm",), verbose=False
@@ -156,6 +158,7 @@ def test_assert_user_error_rejects_tracebacks_extra_lines_and_wrong_codes():
             assert_user_error(bad, "--epochs must be >= 1, got 0")
 
 
+@pytest.mark.slow
 def test_stress_command_line_refuses_bad_values_in_one_line(capsys):
     done = subprocess.run(
         [sys.executable, "-m", "tutorial_lib.stress", "resume", "--trials", "0"],
@@ -188,6 +191,7 @@ def test_stress_command_line_refuses_bad_values_in_one_line(capsys):
         stress_resume(trials=1, kinds=("sighup",))
 
 
+@pytest.mark.slow
 def test_stress_command_line_deletes_its_temporary_folder_when_every_trial_passed():
     with short_tmpdir() as tmp:
         done = subprocess.run(
@@ -229,6 +233,7 @@ print(folder)
 """
 
 
+@pytest.mark.slow
 def test_a_kernel_that_used_the_fork_launcher_cleans_up_after_stop_fork_server():
     """The last cell of notebooks 11, 11a and 11b. A kernel shutting down waits for its child processes; with the fork
     server and the resource tracker still there it waits ~30 s, is killed first, and its scratch folder stays."""
@@ -254,6 +259,7 @@ def alive(processes: list) -> list:
     return [p for p in processes if running(p)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("killed", [False, True])
 def test_a_forked_run_with_loader_workers_leaves_no_process_behind(tmp_path, killed):
     """A forked run's data loader workers must die with it, as under `python -m tutorial_lib.train`
@@ -324,6 +330,7 @@ def probe_module(tmp_path, monkeypatch):
     return child_env(PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]), PROBE="yes")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["fork", "python"])
 def test_a_run_gets_the_threads_environment_and_exit_status_it_would_get_from_python_m(probe_module, launcher):
     """A forked run used the fork server's thread count (its OMP_NUM_THREADS was read before the fork): two
@@ -335,6 +342,7 @@ def test_a_run_gets_the_threads_environment_and_exit_status_it_would_get_from_py
     assert run_cli(["status"], launcher=launcher, module="probe", env=probe_module, timeout=120).returncode == 7
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(can_mount_small_disk() is not None, reason="needs `unshare -rm` to mount a small tmpfs")
 @pytest.mark.parametrize("launcher", ["fork", "python"])
 def test_small_disk_gives_one_run_a_full_disk_that_nobody_else_sees(tmp_path, probe_module, launcher):

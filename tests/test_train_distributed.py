@@ -19,7 +19,7 @@ from tutorial_lib.core import free_port
 from tutorial_lib.flags import default_args
 from tutorial_lib.train import train
 
-pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
+# a test that starts processes or trains is marked slow (skipped by `pytest -m "not slow"`): the conftest checks it
 
 ACCUMULATION = 3  # 5 batches per process and epoch -> optimizer steps of 3 and 2 micro-batches
 
@@ -74,6 +74,7 @@ def final_metrics(run_dir):
     return json.loads((run_dir / "final_metrics.json").read_text())
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_batch_8_match_one_process_batch_16(runs):
     ddp = final_metrics(runs["tmp"] / "ddp")
     assert ddp["num_processes"] == 2 and runs["single"]["num_processes"] == 1
@@ -82,11 +83,13 @@ def test_ddp_two_processes_batch_8_match_one_process_batch_16(runs):
     assert diff <= 1e-6, f"DDP weights differ from the single-process run by {diff}"
 
 
+@pytest.mark.slow
 def test_only_the_main_process_prints(runs):
     assert runs["ddp_out"].count("best val top-1") == 1, runs["ddp_out"]
     assert runs["ddp_out"].count("2 process(es)") == 1
 
 
+@pytest.mark.slow
 def test_metrics_count_every_sample_exactly_once_on_two_processes(runs):
     rows = read_metrics(runs["tmp"] / "ddp" / "metrics.jsonl")
     assert len(rows) == 2
@@ -98,6 +101,7 @@ def test_metrics_count_every_sample_exactly_once_on_two_processes(runs):
         assert a["val_top1"] == pytest.approx(b["val_top1"]) and a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_schedule_total_steps_and_final_lr_match_the_formula(runs, tmp_path):
     """Optimizer steps = epochs x ceil((len(train_loader) // processes) / accumulation), one scheduler step each."""
 
@@ -139,6 +143,7 @@ def test_schedule_total_steps_and_final_lr_match_the_formula(runs, tmp_path):
         check(one, processes=1, accumulation=accumulation)
 
 
+@pytest.mark.slow
 def test_two_simulated_machines_match_one_machine_with_two_processes(runs):
     machines = final_metrics(runs["tmp"] / "two_machines")
     assert machines["num_processes"] == 2

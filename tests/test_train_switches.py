@@ -16,7 +16,7 @@ from tutorial_lib.checkpoints import latest_checkpoint
 from tutorial_lib.core import count_training_flops
 from tutorial_lib.transforms import progressive_resolution
 
-pytestmark = pytest.mark.slow  # starts processes or trains: skipped by `pytest -m "not slow"`
+# a test that starts processes or trains is marked slow (skipped by `pytest -m "not slow"`): the conftest checks it
 
 BASE = dict(
     model="tinycnn",
@@ -68,6 +68,7 @@ def spy(monkeypatch):
     return seen
 
 
+@pytest.mark.slow
 def test_every_switch_is_off_by_default_and_a_default_run_logs_step_time_accounting(tmp_path, spy):
     args = flags.default_args()
     assert not (args.channels_last or args.compile or args.ema) and args.label_smoothing == 0.0
@@ -82,6 +83,7 @@ def test_every_switch_is_off_by_default_and_a_default_run_logs_step_time_account
         assert "mfu" not in r, "no MFU on a CPU without --peak_tflops"
 
 
+@pytest.mark.slow
 def test_mfu_is_images_per_second_times_flops_at_the_resolution_over_the_peak(tmp_path):
     _, rows = run(tmp_path, "mfu", peak_tflops=0.01)
     flops = count_training_flops(flags.build_model("tinycnn", 10), 16)["train"]
@@ -90,6 +92,7 @@ def test_mfu_is_images_per_second_times_flops_at_the_resolution_over_the_peak(tm
         assert r["mfu"] == pytest.approx(per_process_ips * flops / 0.01e12, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_channels_last_makes_weights_and_every_batch_nhwc_without_changing_results(tmp_path, spy):
     _, plain = run(tmp_path, "plain")
     spy["calls"].clear()
@@ -100,6 +103,7 @@ def test_channels_last_makes_weights_and_every_batch_nhwc_without_changing_resul
         assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-4), "the same maths in another layout"
 
 
+@pytest.mark.slow
 def test_compile_trains_through_torch_compile_and_checkpoints_the_plain_weights(tmp_path, monkeypatch):
     _, plain = run(tmp_path, "plain")
     compiled = []
@@ -122,6 +126,7 @@ def test_compile_trains_through_torch_compile_and_checkpoints_the_plain_weights(
     ), "no _orig_mod. prefix in saved weights"
 
 
+@pytest.mark.slow
 def test_label_smoothing_changes_the_training_and_validation_loss(tmp_path):
     _, plain = run(tmp_path, "plain", epochs=1)
     _, smooth = run(tmp_path, "smooth", epochs=1, label_smoothing=0.1)
@@ -130,6 +135,7 @@ def test_label_smoothing_changes_the_training_and_validation_loss(tmp_path):
     assert json.loads((tmp_path / "smooth" / "config.json").read_text())["label_smoothing"] == 0.1
 
 
+@pytest.mark.slow
 def test_ema_is_evaluated_alongside_differs_from_the_raw_weights_and_resumes_exactly(tmp_path):
     options = dict(ema=True, ema_decay=0.7, epochs=2)
     _, straight = run(tmp_path, "straight", **options)
@@ -145,6 +151,7 @@ def test_ema_is_evaluated_alongside_differs_from_the_raw_weights_and_resumes_exa
         assert resumed[-1][key] == pytest.approx(straight[-1][key], rel=1e-6), key
 
 
+@pytest.mark.slow
 def test_progressive_resizing_trains_at_the_schedule_and_evaluates_at_val_img_size(tmp_path, spy):
     schedule = dict(min_res=8, max_res=16, end_ramp=2, res_step=4)
     _, rows = run(tmp_path, "progressive", epochs=3, val_img_size=24, peak_tflops=0.01, **schedule)
@@ -185,6 +192,7 @@ def test_batches_are_copied_without_waiting_on_cuda_only(monkeypatch):
     assert accel.overlapping_copies(cpu=False) is False, "Apple MPS or CPU"
 
 
+@pytest.mark.slow
 def test_training_asks_accelerate_for_overlapping_copies(tmp_path, monkeypatch):
     """train() passes `overlapping_copies` to Accelerate's loader configuration: a blocking copy would
     wait for the previous step to finish at every batch."""
