@@ -18,6 +18,7 @@ from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 
 from .accel import MissingPathError
+from .cli import shown_path
 from .core import UserError, in_notebook
 
 # %% auto #0
@@ -204,7 +205,7 @@ def scan_image_folder(
         if real in first_class:
             raise DataLayoutError(
                 f"class folders {folder / first_class[real]} and {folder / name} are the same folder "
-                f"({real}, through a link): give each class its own folder"
+                f"({shown_path(real)}, through a link): give each class its own folder"
             )
         first_class[real] = name
     visited |= set(first_class)
