@@ -111,7 +111,7 @@ def command_lines(tmp: Path) -> dict:
         # the one-file script (08) imports nothing of the course, so not cli_main either: the same convention by hand
         "simple_train": (
             ["--path_to_data", str(tmp), "--epochs", "0"],
-            "simple_train: error: argument --epochs: expected a whole number of at least 1, got '0'",
+            "simple_train: error: argument --epochs: expected int in [1, inf], got '0'",
             ["--path_to_data", str(tmp / "nowhere")],
             f"simple_train: error: --path_to_data {tmp / 'nowhere'} needs train/<class>/",
         ),
@@ -198,6 +198,7 @@ def test_cli_main_leaves_a_bug_its_traceback(capsys):
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.slow  # a DataLoader worker is a process
 def test_one_line_keeps_a_data_loader_workers_original_message():
     from torch.utils.data import DataLoader, Dataset
 
@@ -289,3 +290,58 @@ def test_course_notebooks_sort_each_deep_dive_right_after_its_notebook(tmp_path)
 def test_run_notebooks_refuses_a_missing_notebook_before_running_any(tmp_path):
     with pytest.raises(UserError, match="no notebook .*99_missing.ipynb"):
         run_notebooks([tmp_path / "99_missing.ipynb"], smoke=True)
+
+
+def notebook(path: Path, source: str, **cell_metadata) -> Path:
+    """A one-cell notebook at `path`, with an execution count and cell metadata that nbdev-clean would strip."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell(source, execution_count=7, metadata={"scrolled": True, **cell_metadata})
+    nb.cells.append(cell)
+    nb.metadata["widgets"] = {"state": {}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.mark.slow
+def test_run_notebooks_cleans_only_the_notebooks_it_was_given(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "pyproject.toml").write_text((root / "pyproject.toml").read_text())  # nbdev's settings
+    one = notebook(tmp_path / "notebooks" / "01_one.ipynb", "print(1 + 1)")
+    other = notebook(tmp_path / "notebooks" / "02_learners_own.ipynb", "x = 3", tags=["mine"])
+    before = other.read_bytes()
+    run_notebooks([one], timeout=120)
+    assert other.read_bytes() == before, "a notebook it was not given was rewritten"
+    assert '"2\\n"' in one.read_text() and '"scrolled"' not in one.read_text(), "the one given ran and was cleaned"
+
+
+def test_run_notebooks_refuses_a_file_that_is_not_a_notebook_in_one_line(tmp_path, capsys):
+    from tutorial_lib.cli import main
+
+    (tmp_path / "notes.txt").write_text("not a notebook")
+    with pytest.raises(SystemExit) as exit_:
+        main(["run-notebooks", str(tmp_path / "notes.txt"), "--smoke"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "notes.txt" in err and "not a notebook" in err, err
+
+
+def test_run_notebooks_refuses_a_read_only_notebook_before_running_any(tmp_path, monkeypatch):
+    import os
+
+    import nbclient
+
+    first = notebook(tmp_path / "01_first.ipynb", "print(1)")
+    locked = notebook(tmp_path / "02_locked.ipynb", "print(2)")
+    locked.chmod(0o444)
+    real_access = os.access
+    # root may write a file of mode 0444: the check asks os.access, which a read-only file system also answers
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != locked and real_access(path, mode))
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("a notebook ran before the read-only one was refused")
+
+    monkeypatch.setattr(nbclient, "NotebookClient", no_run)
+    with pytest.raises(UserError, match="02_locked.ipynb"):
+        run_notebooks([first, locked])
