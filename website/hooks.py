@@ -258,7 +258,11 @@ def notebook_page(content: str, page: Page, config: MkDocsConfig, files: Files) 
         if "jp-MarkdownCell" in head:
             cells[i] = markdown_cell(cell, path, resolver, config)
         elif (match := re.search(r'id="cell-id=([^"]+)"', head)) and match.group(1) in hidden:
-            cells[i] = fold_input(cell, hidden[match.group(1)])
+            summary = hidden[match.group(1)]
+            if summary is None:  # course.css hides it and its wrapper
+                cells[i] = cell.replace('class="jp-Cell ', 'class="course-directive jp-Cell ', 1)
+            else:
+                cells[i] = fold_input(cell, summary)
     content = "".join(cells)
     page.links_to_anchors = resolver.links_to_anchors
     bar = notebook_links(config, page, path)
@@ -290,11 +294,17 @@ def markdown_cell(cell: str, path: Path, resolver: _RelativePathTreeprocessor, c
     return "".join(pieces)
 
 
-def hidden_cells(path: Path) -> dict[str, str]:
-    """{cell id: the line that unfolds it} for each code cell that JupyterLab shows with its input collapsed."""
-    hidden = {}
+def hidden_cells(path: Path) -> dict[str, str | None]:
+    """{cell id: the line that unfolds it} for each code cell that JupyterLab shows with its input collapsed, and
+    {cell id: None} for a cell that only holds nbdev's directives (`#| default_exp ...`) and prints nothing."""
+    hidden: dict[str, str | None] = {}
     for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
-        if cell["cell_type"] == "code" and cell.get("metadata", {}).get("jupyter", {}).get("source_hidden"):
+        if cell["cell_type"] != "code":
+            continue
+        lines = [line for line in "".join(cell["source"]).splitlines() if line.strip()]
+        if lines and all(line.startswith("#|") for line in lines) and not cell.get("outputs"):
+            hidden[cell.get("id")] = None
+        elif cell.get("metadata", {}).get("jupyter", {}).get("source_hidden"):
             tags = cell["metadata"].get("tags", [])
             hidden[cell.get("id")] = next((HIDDEN_SUMMARY[t] for t in tags if t in HIDDEN_SUMMARY), "Show the code")
     return hidden
