@@ -101,6 +101,15 @@ def test_the_site_builds_in_strict_mode_with_every_notebook_and_page(site):
     assert not missing, f"pages missing from the site: {missing}"
     downloads = [f for f, src in pages.items() if src.suffix == ".ipynb" and not (root / f / src.name).is_file()]
     assert not downloads, f"notebooks without their .ipynb to download: {downloads}"
+    unfolded = []
+    for folder, src in pages.items():
+        if src.suffix == ".ipynb":
+            cells = json.loads(src.read_text(encoding="utf-8"))["cells"]
+            hidden = sum(1 for c in cells if c.get("metadata", {}).get("jupyter", {}).get("source_hidden"))
+            folded = (root / folder / "index.html").read_text(encoding="utf-8").count('<details class="course-hidden')
+            if folded != hidden:
+                unfolded.append(f"{folder}: {folded} of {hidden} collapsed cells folded")
+    assert not unfolded, "collapsed cells shown open on the site:\n" + "\n".join(unfolded)
     html_pages = sorted(root.glob("**/*.html"))
     remote = []
     for path in html_pages:
@@ -167,10 +176,16 @@ class _QuietHandler(SimpleHTTPRequestHandler):
         pass
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address):  # the browser left the page while a file was on its way
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 @pytest.fixture(scope="module")
 def served_site(site):
     root, _ = site
-    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(_QuietHandler, directory=str(root)))
+    server = _Server(("127.0.0.1", 0), partial(_QuietHandler, directory=str(root)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}/"
@@ -229,6 +244,15 @@ def test_every_page_loads_offline_with_its_images_links_and_anchors_and_search_f
                 links_seen += 1
                 if link.startswith(base):
                     internal.setdefault(link, set()).add(name)
+        # a check cell: its code folded, one click shows it
+        page.goto(base + "notebooks/01_gradient_accumulation/", wait_until="load")
+        check = page.locator("details.course-hidden-input").first
+        code = check.locator(".jp-InputArea")
+        if code.is_visible():
+            problems.append("01: a check cell's code is shown before a click")
+        check.locator("summary").click()
+        if not code.is_visible():
+            problems.append("01: a click on a check cell's summary does not show its code")
         # every search a learner would make, typed into the search box
         results = {}
         for query, expected in SEARCHES.items():

@@ -223,8 +223,13 @@ def on_post_build(config: MkDocsConfig) -> None:
 NOTEBOOK_CSS = "assets/notebook.css"  # listed in extra_css (mkdocs.yml), written by on_post_build
 NOTEBOOK_STYLES: dict[str, None] = {}  # each distinct <style> of the notebook pages, in the order met
 STYLE = re.compile(r"<style[^>]*>(.*?)</style>", re.S)
-# nbconvert's page brings MathJax and Mermaid from a CDN: the math is MathML here and there are no diagrams
-REMOTE_SCRIPT = re.compile(r'<script[^>]*(?:\ssrc=|type="text/x-mathjax-config"|type="module")[^>]*>.*?</script>', re.S)
+# nbconvert's page brings MathJax, Mermaid and the widgets' renderer from CDNs: the math is MathML here, there are no
+# diagrams, and a widget (a progress bar) shows nothing rather than ask the network
+REMOTE_SCRIPT = re.compile(
+    r'<script[^>]*(?:\ssrc=|type="text/x-mathjax-config"|type="module")[^>]*>.*?</script>'
+    r"|<script>(?:(?!</script>).)*?addWidgetsRenderer.*?</script>",
+    re.S,
+)
 HEADING = re.compile(r'<h([1-6]) id="[^"]*">(.*?)<a class="anchor-link" href="#[^"]*">¶</a>(</h\1>)', re.S)
 CELL = re.compile(r'(?=<div class="jp-Cell )')
 ANCHOR = re.compile(r'(<a\s[^>]*?href=")([^"]*)("[^>]*>)(.*?)(</a>)', re.S)
