@@ -101,7 +101,8 @@ class FakeShell:
         ({"HOME": "/home/me"}, "ipykernel.zmqshell.ZMQInteractiveShell", None),  # JupyterLab on a laptop
         ({"KAGGLE_KERNEL_RUN_TYPE": "Interactive"}, "ipykernel.zmqshell.ZMQInteractiveShell", "kaggle"),
         ({}, "google.colab._shell.Shell", "colab"),  # a Colab kernel
-        ({"COLAB_RELEASE_TAG": "release-colab_20261120"}, None, "colab"),  # a subprocess of one
+        # a script started from a Colab kernel: Colab's variables, no Colab shell; notebook_launcher launches for real
+        ({"COLAB_RELEASE_TAG": "release-colab_20261120"}, None, None),
     ],
 )
 def test_hosted_runtime_is_recognised_from_the_signs_notebook_launcher_reads(monkeypatch, environ, shell, expected):
@@ -124,6 +125,16 @@ def note_world_size(out_dir: str) -> None:
 
     accelerator = Accelerator(cpu=True)
     report(accelerator, out_dir, world_size=accelerator.num_processes, pid=os.getpid())
+
+
+@pytest.mark.slow
+def test_a_script_started_from_colab_launches_its_processes_as_notebook_launcher_does(monkeypatch, capsys, tmp_path):
+    # Colab's variables reach a script its kernel starts, but not its IPython shell, which is what notebook_launcher
+    # reads: two processes really start, so no in-kernel note is printed and each process reports a world size of 2
+    monkeypatch.setenv("COLAB_RELEASE_TAG", "release-colab_20261120-060000_RC00")
+    records = launch_records(note_world_size, num_processes=2, folder=tmp_path, timeout=120)
+    assert "note: on Colab" not in capsys.readouterr().out
+    assert [r["world_size"] for r in records] == [2, 2] and os.getpid() not in {r["pid"] for r in records}, records
 
 
 def test_a_launch_that_colab_keeps_in_the_kernel_is_said_before_it_runs(monkeypatch, capsys, tmp_path):

@@ -26,14 +26,15 @@ __all__ = ['LAUNCHERS', 'EXIT_STATUS_ENV', 'hosted_runtime', 'launch_runs_in_ker
 def hosted_runtime(environ: dict | None = None) -> str | None:
     """'kaggle' or 'colab' when this kernel runs on that hosted service, else None (a laptop, a cluster) (06c).
 
-    The signs are those `notebook_launcher` reads: any `KAGGLE_*` environment variable; a Colab IPython
-    shell (class from `google.colab`), or Colab's `COLAB_RELEASE_TAG`, which its subprocesses inherit."""
+    The signs are exactly those `notebook_launcher` reads: any `KAGGLE_*` environment variable, else a Colab IPython
+    shell (class from `google.colab`). A script started from a Colab kernel inherits Colab's variables but has no
+    such shell, and `notebook_launcher` launches its processes for real: it is no hosted runtime here either."""
     environ = os.environ if environ is None else environ
     if any(key.startswith("KAGGLE") for key in environ):
         return "kaggle"
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
-    if "COLAB_RELEASE_TAG" in environ or "google.colab" in str(shell):
+    if "google.colab" in str(shell):
         return "colab"
     return None
 
