@@ -645,7 +645,11 @@ def get_args_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "notebooks", nargs="*", help="notebook files (default: every notebook of notebooks/ here, in reading order)"
     )
-    run.add_argument("--smoke", action="store_true", help="the small sizes the tests use; the files are left alone")
+    run.add_argument(
+        "--smoke",
+        action="store_true",
+        help="small sizes, about a minute a notebook on a laptop CPU; the files are left alone",
+    )
     course_map = commands.add_parser(
         "course-map",
         formatter_class=HelpFormatter,
