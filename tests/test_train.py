@@ -160,6 +160,28 @@ def test_bad_options_are_refused_with_a_message_naming_the_flag(tmp_path):
         run(tmp_path, "bad", resume_from_checkpoint=str(tmp_path))
 
 
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (
+            ["--seed", "5000000000"],
+            "--seed must be a whole number from 0 to 4294967295 (NumPy's seeds are 32-bit), got 5000000000",
+        ),
+        (["--wandb_project", "a/b"], "--wandb_project 'a/b' contains /: a W&B project name has none of / \\ # ? % :"),
+        (["--compile", "--compile_backend", "bogus"], "--compile_backend 'bogus' is not a torch.compile backend; use"),
+    ],
+)
+def test_values_that_would_fail_later_are_refused_in_one_line_before_anything_is_written(tmp_path, capsys, argv, line):
+    # each used to pass the parser and end in a traceback (exit 1) once training started
+    from tutorial_lib.train import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--cpu", "--log_with", "none", "--working_directory", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith(f"tutorial-train: error: {line}"), err
+    assert not any(tmp_path.iterdir()), "nothing written"
+
+
 # --- schedule -----------------------------------------------------------------------------------
 
 

@@ -55,10 +55,10 @@ from tutorial_lib.transforms import (
 )
 
 # %% auto #0
-__all__ = ['RECIPE_V1', 'WARMUP_CAP', 'BadFlagError', 'build_model', 'get_args_parser', 'add_run_and_data_flags',
-           'add_optimisation_flags', 'add_speed_and_checkpoint_flags', 'default_args', 'resolve_learning_rate',
-           'train_crop_size', 'train_resolution', 'meta_model', 'input_size_error', 'smallest_input_size',
-           'check_input_sizes', 'check_args', 'check_paths']
+__all__ = ['RECIPE_V1', 'seed_value', 'WARMUP_CAP', 'BadFlagError', 'build_model', 'get_args_parser', 'wandb_project_name',
+           'add_run_and_data_flags', 'add_optimisation_flags', 'add_speed_and_checkpoint_flags', 'default_args',
+           'resolve_learning_rate', 'train_crop_size', 'train_resolution', 'meta_model', 'input_size_error',
+           'smallest_input_size', 'check_input_sizes', 'check_args', 'check_paths']
 
 # %% ../notebooks/08a_flags_and_checks.ipynb #774e706e
 class BadFlagError(UserError, ValueError):
@@ -120,6 +120,20 @@ def get_args_parser(add_help: bool = True, exit_on_error: bool = True) -> argpar
     return parser
 
 # %% ../notebooks/08a_flags_and_checks.ipynb #53e98f12
+# NumPy's seeds are 32-bit: a larger --seed would parse, then fail in seed_everything with a traceback
+seed_value = number_flag(int, 0, 2**32 - 1, what="a whole number from 0 to 4294967295 (NumPy's seeds are 32-bit)")
+
+
+def wandb_project_name(text: str) -> str:
+    """An argparse `type=` for `--wandb_project`: W&B's own rule (at most 128 characters, none of `/\\#?%:`), checked
+    when parsed instead of when W&B starts, after the data is read."""
+    found = sorted(set(text) & set("/\\#?%:"))
+    if not text or len(text) > 128 or found:
+        why = f"contains {' '.join(found)}" if found else "must have 1 to 128 characters"
+        raise argparse.ArgumentTypeError(f"{text!r} {why}: a W&B project name has none of / \\ # ? % :")
+    return text
+
+
 def add_run_and_data_flags(group, data) -> None:
     add, add_data, V1 = group.add_argument, data.add_argument, RECIPE_V1
     add(
@@ -144,7 +158,7 @@ def add_run_and_data_flags(group, data) -> None:
     )
     add("--num_classes", type=number_flag(int, 2), default=None, help="inferred from the data; if given it must match")
     add("--model", type=model_name, default=V1["model"], help="torchvision model name, or 'tinycnn'")
-    add("--seed", type=non_negative_int, default=0, help="seeds weights, data order and augmentation")
+    add("--seed", type=seed_value, default=0, help="seeds weights, data order and augmentation")
     add("--cpu", action="store_true", help="run on CPU even if a GPU is present")
     add(
         "--mixed_precision",
@@ -161,7 +175,7 @@ def add_run_and_data_flags(group, data) -> None:
         help="trackers: wandb "
         "(online with a key, offline without; WANDB_MODE overrides), tensorboard (<run>/tensorboard), none",
     )
-    add("--wandb_project", default="resnet50-imagenet-accelerate", help="W&B project name")
+    add("--wandb_project", type=wandb_project_name, default="resnet50-imagenet-accelerate", help="W&B project name")
     add("--log_interval", type=non_negative_int, default=50, help="optimizer steps between step-level logs (0: never)")
     add("--disable_progress_bar", action="store_true", help="no progress bar (the main process shows one)")
     add_data(
@@ -464,6 +478,14 @@ def check_args(args: argparse.Namespace) -> DataSource:
                 f"progressive resizing (--min_res, --max_res, --end_ramp, --start_ramp): {err}"
             ) from None
     check_trackers(args.log_with)  # 06d: 'none' alone; tensorboard installed
+    if args.compile:  # torch.compile would name a bad backend only once the first batch reaches the model
+        from torch._dynamo import list_backends
+
+        if args.compile_backend not in list_backends(exclude_tags=()):
+            raise BadFlagError(
+                f"--compile_backend {args.compile_backend!r} is not a torch.compile backend; "
+                f"use one of {', '.join(list_backends())} (inductor, the default, compiles to fast kernels)"
+            )
     run_dir = (Path(args.working_directory) / args.experiment_name).resolve()
     if args.overwrite and args.resume_from_checkpoint:  # allowed: another run's checkpoint continued in this folder
         checkpoint = Path(args.resume_from_checkpoint).resolve()
