@@ -241,6 +241,30 @@ def test_latest_in_a_folder_without_config_json_never_adopts_a_foreign_checkpoin
     assert resumed.returncode == 0 and f"resumed from {own}:" in resumed.stdout, resumed.stderr
 
 
+@pytest.mark.slow
+def test_latest_refuses_a_config_json_that_names_a_run_whose_checkpoints_are_not_there(tmp_path, data):
+    # it used to start from scratch (warnings only) and replace the checkpoints and metrics of the run they belong to
+    b = cli(tmp_path, data, name="b", checkpoint_every_steps=2)
+    assert b.returncode == 0, b.stderr
+    run_b = tmp_path / "runs" / "b"
+    own = run_id_of(run_b)
+    config = json.loads((run_b / "config.json").read_text())
+    (run_b / "config.json").write_text(json.dumps({**config, "run_id": "someone-else"}))  # another run's file
+    before = files_of(run_b)
+    done = cli(tmp_path, data, name="b", epochs=3, resume_from_checkpoint="latest")
+    assert_user_error(
+        done,
+        f"{run_b / 'config.json'} names run someone-else, but the checkpoints in {run_b / 'checkpoints'} belong to "
+        f"{own}: put back that run's config.json, or move this one aside (the run's id is then read from its "
+        "checkpoints) and run the same command again",
+    )
+    assert files_of(run_b) == before
+    (run_b / "config.json").rename(run_b / "config.json.other")  # the way out the line gives
+    resumed = cli(tmp_path, data, name="b", epochs=3, resume_from_checkpoint="latest")
+    assert resumed.returncode == 0 and f"resumed from {run_b / 'checkpoints'}/step_" in resumed.stdout, resumed.stderr
+    assert run_id_of(run_b) == own, "the run continued is the one the checkpoints belong to"
+
+
 # --- 8. a damaged config.json on resume ------------------------------------------------------------------------
 
 

@@ -26,6 +26,7 @@ from tutorial_lib.checkpoints import (
     folder_run_id,
     format_bytes,
     latest_checkpoint,
+    list_checkpoints,
 )
 from tutorial_lib.core import (
     UserError,
@@ -133,6 +134,13 @@ def claim_run_folder(
         if not fresh and not (overwrite and resume_from is not None):
             own = folder_run_id(run_dir)  # raises for a damaged config.json, or checkpoints of several runs
             takes_folder = resume_from is not None and own != checkpoint_run_id(Path(resume_from))
+            theirs = sorted({checkpoint_run_id(p) for p in list_checkpoints(run_dir)} - {None})
+            if resume_from is None and theirs and own not in theirs:  # `latest` would start over them from scratch
+                raise RunFolderError(
+                    f"{run_dir / 'config.json'} names run {own}, but the checkpoints in {run_dir / 'checkpoints'} "
+                    f"belong to {', '.join(theirs)}: put back that run's config.json, or move this one aside (the "
+                    "run's id is then read from its checkpoints) and run the same command again"
+                )
         if existing and takes_folder and not overwrite:
             raise RunFolderError(
                 f"{run_dir} already holds a run ({', '.join(existing)}): resume it with "
