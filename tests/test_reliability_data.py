@@ -518,3 +518,20 @@ def test_hub_retry_lines_are_held_back_before_the_one_line(tmp_path):
     )
     assert loaded.returncode == 0, loaded.stderr
     assert "Retrying in 1s [Retry 1/5]." in loaded.stderr and "a datasets error line" in loaded.stderr, loaded.stderr
+
+
+@pytest.mark.parametrize("out", ["src/train", "src"])
+def test_shard_refuses_an_output_folder_inside_its_source_before_writing(tmp_path, capsys, monkeypatch, out):
+    # `shard SRC SRC/train` used to be accepted: the shards then became part of the source, which failed to train
+    (tmp_path / "src" / "train" / "a").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["shard", "src", out])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert err.endswith(f"error: {out} is inside src: its shards would become part of the data; write them elsewhere\n")
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "src",
+        "src/train",
+        "src/train/a",
+    ]

@@ -780,6 +780,10 @@ def run_command(args: argparse.Namespace) -> int | None:
     unreadable one, a malformed mapping or a full disk is a `UserError` (one line, exit status 2)."""
     if args.command == "shard" and args.jpeg_quality and not args.max_side:
         raise UserError("--jpeg_quality applies to re-encoded images: give --max_side too")
+    if args.command == "shard" and Path(args.out).resolve().is_relative_to(Path(args.src).resolve()):
+        raise UserError(
+            f"{args.out} is inside {args.src}: its shards would become part of the data; write them elsewhere"
+        )
 
     def act() -> None:
         if args.command == "prepare-val":
