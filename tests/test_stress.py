@@ -353,3 +353,18 @@ def test_small_disk_gives_one_run_a_full_disk_that_nobody_else_sees(tmp_path, pr
     )
     assert done.returncode == 1 and "No space left on device" in done.stderr, (done.returncode, done.stderr[-2000:])
     assert list(disk.iterdir()) == [], "the small disk is mounted for that run only"
+
+
+def test_a_reused_workdir_is_refused_in_one_line_before_anything_runs(tmp_path, capsys):
+    # the runs of an earlier stress test in --workdir used to end the reference run in a RuntimeError traceback
+    from tutorial_lib.stress import main
+
+    (tmp_path / "reference").mkdir()
+    (tmp_path / "reference" / "config.json").write_text("{}")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["resume", "--trials", "1", "--workdir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert f"--workdir {tmp_path} is not empty (the runs of an earlier stress test?)" in err, err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before, "nothing written or removed"

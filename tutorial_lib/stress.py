@@ -494,6 +494,11 @@ def run_command(args: argparse.Namespace) -> int:
     """`resume` with the parsed flags: 0 when every trial ends with bitwise-identical weights, 1 otherwise."""
     if args.workdir and os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
         raise UserError(f"--workdir {args.workdir} is a file: name a folder (it is created if it does not exist)")
+    if args.workdir and os.path.isdir(args.workdir) and any(os.scandir(args.workdir)):  # its runs would meet ours
+        raise UserError(
+            f"--workdir {args.workdir} is not empty (the runs of an earlier stress test?): "
+            "name a new or empty folder, or leave it out for a temporary one"
+        )
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="tutorial-stress-"))
     results = stress_resume(
         args.trials,
