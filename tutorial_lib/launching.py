@@ -158,6 +158,7 @@ def launch_records(
     `out_dir` is a new folder inside `folder` (the system's temporary folder when None). One record where the
     launcher runs `fn` once in this process (`launch_runs_in_kernel`)."""
     out_dir = Path(tempfile.mkdtemp(dir=folder))
+    out_dir = Path(folder) / out_dir.name if folder is not None else out_dir  # as given (Python 3.12 makes it absolute)
     ran = 1 if launch_runs_in_kernel(num_processes) else num_processes
     launch_with_timeout(fn, (str(out_dir), *args), num_processes=num_processes, timeout=timeout)
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(ran)]
