@@ -1129,3 +1129,25 @@ def test_every_image_of_imagenet_sample_100_loads_without_error():
         assert train_fast(data, f).shape == val_fast(data, f).shape == (3, 224, 224)
         pil = load_pil_rgb(f)
         assert train_classic(pil).shape == val_classic(pil).shape == (3, 224, 224)
+
+
+def test_a_class_folder_that_cannot_be_listed_is_named_as_such_not_as_empty(tmp_path, monkeypatch):
+    # it used to be reported as having no images, with the advice to delete it (it held 8); the permission is faked
+    # because this test may run as root, whom no mode keeps out
+    for name in ("a", "b"):
+        (tmp_path / "train" / name).mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / "train" / name / "x.JPEG")
+    locked, scandir = str(tmp_path / "train" / "b"), os.scandir
+
+    def refusing(path="."):
+        if os.fspath(path) == locked:
+            raise PermissionError(13, "Permission denied", locked)
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refusing)
+    with pytest.raises(DataLayoutError) as refused:
+        scan_image_folder(tmp_path / "train")
+    assert str(refused.value) == (
+        f"class folder {locked} cannot be listed (permission denied): give this user read access to it "
+        "(e.g. chmod -R a+rX) and run again"
+    )

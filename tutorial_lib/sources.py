@@ -212,6 +212,11 @@ def scan_image_folder(
     samples = []
     for index, name in enumerate(class_dirs):
         files = _walk_images(str(folder / name), visited, report)
+        if not files and str(folder / name) in report.unreadable:  # not empty: this user may not list it
+            raise DataLayoutError(
+                f"class folder {folder / name} cannot be listed (permission denied): give this user read access "
+                "to it (e.g. chmod -R a+rX) and run again"
+            )
         if not files:
             raise DataLayoutError(
                 f"class folder {folder / name} has no images ({'/'.join(IMG_EXTENSIONS)}): "
