@@ -16,20 +16,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from browser_helpers import CHROMIUM, CHROMIUM_ARGS, browser_missing
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
-# Flags for a machine without a display, a sandbox or a network: without the background-networking ones Chromium keeps
-# trying to reach its services and failing.
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 # Every cell in the page, not only the visible ones: JupyterLab otherwise renders a long notebook's cells lazily.
 LAB_SETTINGS = {"@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"}}
 PROMPTS = ".jp-NotebookPanel .jp-CodeCell .jp-InputArea-prompt"
@@ -42,17 +31,7 @@ ANY_STARTED = f"() => [...document.querySelectorAll('{PROMPTS}')].some(p => /\\[
 NOTEBOOKS = ["09_multi_gpu_training.ipynb", "13_troubleshooting.ipynb"]
 
 
-def _missing() -> str | None:
-    if not Path(CHROMIUM).exists():
-        return f"no Chromium at {CHROMIUM} (Debian: apt-get install chromium)"
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        return "no playwright package (pip install playwright)"
-    return None
-
-
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(browser_missing() is not None, reason=str(browser_missing()))]
 
 
 @pytest.fixture(scope="module")

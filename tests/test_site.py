@@ -23,18 +23,9 @@ from types import SimpleNamespace
 from urllib.parse import unquote, urlsplit
 
 import pytest
+from browser_helpers import CHROMIUM, CHROMIUM_ARGS, browser_missing
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = [  # as in tests/test_jupyterlab.py: no display, no sandbox, no network
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 # what a learner types, and the page that must come up among the first results
 SEARCHES = {
     "gradient accumulation": "notebooks/01_gradient_accumulation/",
@@ -43,16 +34,6 @@ SEARCHES = {
 FIRST_RESULTS = 5
 ID = re.compile(r'\s(?:id|name)="([^"]*)"')
 REMOTE = re.compile(r'<(?:script|link|img)[^>]+(?:src|href)="(?:https?:)?//[^"]+"')  # loaded from elsewhere
-
-
-def _browser_missing() -> str | None:
-    if not Path(CHROMIUM).exists():
-        return f"no Chromium at {CHROMIUM} (Debian: apt-get install chromium)"
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        return "no playwright package (pip install playwright)"
-    return None
 
 
 def mkdocs_build(config: Path, site: Path, cwd: Path, **env: str) -> subprocess.CompletedProcess:
@@ -200,7 +181,7 @@ def anchors_of(file: Path, cache: dict) -> set[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_browser_missing() is not None, reason=str(_browser_missing()))
+@pytest.mark.skipif(browser_missing() is not None, reason=str(browser_missing()))
 def test_every_page_loads_offline_with_its_images_links_and_anchors_and_search_finds_the_notebooks(site, served_site):
     from playwright.sync_api import sync_playwright
 
