@@ -62,7 +62,7 @@ def collected(*args: str) -> list[str]:
 @pytest.mark.slow
 def test_a_notebook_the_browser_test_runs_is_not_run_by_nbmake_as_well():
     sys.path.insert(0, str(ROOT / "tests"))
-    from test_jupyterlab import _missing
+    from browser_helpers import browser_missing
 
     notebook = "notebooks/09_multi_gpu_training.ipynb"
     nbmake_id = f"{notebook}::09_multi_gpu_training.ipynb"
@@ -71,7 +71,7 @@ def test_a_notebook_the_browser_test_runs_is_not_run_by_nbmake_as_well():
     browser = [i for i in together if i.startswith("tests/test_jupyterlab.py::") and "09_multi_gpu" in i]
     assert len(browser) == 1, together
     # with the browser test able to run, it is the one that runs the notebook; without Chromium, nbmake does
-    assert (nbmake_id in together) == (_missing() is not None), (together, _missing())
+    assert (nbmake_id in together) == (browser_missing() is not None), (together, browser_missing())
 
 
 STARTS_A_PROCESS = """
