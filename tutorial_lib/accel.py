@@ -10,12 +10,14 @@ from typing import Any
 
 import torch
 
-from .core import UserError
+from .core import MissingPathError, UserError  # noqa: F401 (MissingPathError: re-exported below)
+
+_all_ = ["MissingPathError"]  # defined in 00, still importable from here
 
 # %% auto #0
 __all__ = ['IGNORE_LABEL', 'METRIC_SUMS', 'process_index', 'is_main_process', 'MetricsLogger', 'read_metrics',
-           'format_metrics_table', 'LaunchError', 'MissingPathError', 'overlapping_copies', 'auto_mixed_precision',
-           'build_accelerator', 'summed_over_processes', 'gather_batch', 'ClassificationMetrics', 'merge_metrics']
+           'format_metrics_table', 'LaunchError', 'overlapping_copies', 'auto_mixed_precision', 'build_accelerator',
+           'summed_over_processes', 'gather_batch', 'ClassificationMetrics', 'merge_metrics', 'MissingPathError']
 
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #00edb7a2
 def process_index(accelerator=None) -> int:
@@ -120,10 +122,6 @@ def _to_jsonable(value: Any) -> Any:
 # %% ../notebooks/06_accelerate_fundamentals.ipynb #f813dc8a
 class LaunchError(UserError):
     """A launch that cannot do what was asked (processes that are not connected, fp16 on a CPU)."""
-
-
-class MissingPathError(UserError, FileNotFoundError):
-    """A path given on the command line (data, checkpoint) that does not exist or is not what it should be."""
 
 
 def overlapping_copies(cpu: bool = False) -> bool:

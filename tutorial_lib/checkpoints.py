@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .accel import MissingPathError
-from .core import UserError
+from .core import MissingPathError, UserError
 
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'MANIFEST', 'PROGRESS_FILE', 'CheckpointError', 'RunFolderError', 'checkpoint_root',

@@ -26,7 +26,8 @@ __all__ = ['SMOKE_ENV_VAR', 'IMAGENET_TRAIN_IMAGES', 'RECIPE_EPOCHS', 'PEAK_BF16
            'seed_everything', 'in_notebook', 'free_port', 'fork_safe', 'scratch_dir', 'linked_subset',
            'count_training_flops', 'training_time_seconds', 'peak_flops_for', 'mfu_unknown_note', 'mfu',
            'peak_memory_bytes', 'StepClock', 'StepTimer', 'global_batch_size', 'environment_report', 'bf16_supported',
-           'accelerate_cli', 'cpu_launch_config', 'read_process_states', 'launch_state_probe', 'UserError']
+           'accelerate_cli', 'cpu_launch_config', 'read_process_states', 'launch_state_probe', 'UserError',
+           'MissingPathError']
 
 # %% ../notebooks/00_introduction.ipynb #a4f4ab1f
 SMOKE_ENV_VAR = "TUTORIAL_SMOKE"
@@ -463,3 +464,8 @@ class UserError(Exception):
     """An input the user fixes (a flag, a path, the data, a checkpoint): a command line of the course prints it as
     one line, `prog: error: <message>`, and exits with status 2 instead of a traceback (00, 00a). Every error of
     this kind in the library derives from it; a bug does not, and keeps its traceback."""
+
+
+class MissingPathError(UserError, FileNotFoundError):
+    """A path given on the command line (data, checkpoint) that does not exist or is not what it should be: here,
+    below every module that reads a path (the data modules, checkpoints, the training script)."""

@@ -18,7 +18,6 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .accel import MissingPathError
 from tutorial_lib.cli import (
     HelpFormatter,
     OneLineParser,
@@ -32,7 +31,7 @@ from tutorial_lib.cli import (
     shown_path,
     user_path,
 )
-from .core import UserError, in_notebook
+from .core import MissingPathError, UserError, in_notebook
 from tutorial_lib.sources import (
     IMG_EXTENSIONS,
     OFFICIAL_ARCHIVES,

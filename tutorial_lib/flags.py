@@ -10,9 +10,6 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from tutorial_lib.accel import (
-    MissingPathError,
-)
 from tutorial_lib.accumulation import (
     TinyCNN,
 )
@@ -33,6 +30,7 @@ from tutorial_lib.cli import (
     user_path,
 )
 from tutorial_lib.core import (
+    MissingPathError,
     UserError,
     global_batch_size,
 )

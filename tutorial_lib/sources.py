@@ -17,9 +17,8 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 
-from .accel import MissingPathError
 from .cli import shown_path
-from .core import UserError, in_notebook
+from .core import MissingPathError, UserError, in_notebook
 
 # %% auto #0
 __all__ = ['IMG_EXTENSIONS', 'VAL_DIR_NAMES', 'SPLIT_ALIASES', 'OFFICIAL_ARCHIVES', 'DataLayoutError', 'embedded_data_path',

@@ -23,7 +23,6 @@ from tutorial_lib.accel import (
     ClassificationMetrics,
     LaunchError,
     MetricsLogger,
-    MissingPathError,
     build_accelerator,
     format_metrics_table,
     is_main_process,
@@ -52,6 +51,7 @@ from tutorial_lib.cli import (
     shown_path,
 )
 from tutorial_lib.core import (
+    MissingPathError,
     StepTimer,
     count_training_flops,
     global_batch_size,
