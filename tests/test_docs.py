@@ -223,6 +223,33 @@ def test_readme_install_resolves_offline_against_this_environment():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+# How a teacher checks that a notebook runs, in smoke mode (the root conftest.py sets it): nbmake under pytest, with
+# the project's own options, which need the contributors' plugins, left out.
+NOTEBOOK_CHECK = ["pytest", "--nbmake", "-o", "addopts=", "notebooks/00_introduction.ipynb"]
+
+
+def test_readme_install_brings_what_a_teachers_notebook_check_runs():
+    brought = installed_closure(project_requirements(readme_install_extras()))
+    assert {"pytest", "nbmake", "jupyterlab"} <= brought, sorted(brought)
+
+
+@pytest.mark.slow
+def test_readme_notebook_check_needs_none_of_the_contributors_plugins():
+    """A teacher's smoke-mode run of notebook 00 after the README's install, collected with the plugins only the
+    `dev` extra installs switched off (xdist, timeout): its options are understood and it finds the notebook. (The
+    run itself is the suite's own smoke run of 00.)"""
+    command = NOTEBOOK_CHECK
+    result = subprocess.run(
+        [sys.executable, "-m", *command[:-1], "-p", "no:xdist", "-p", "no:timeout", "--collect-only", "-q"]
+        + [command[-1]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0 and "1 test collected" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
+
+
 def test_dev_extra_holds_everything_the_course_extra_does():
     optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     dev = {normalized(Requirement(r).name) for r in optional["dev"]}
