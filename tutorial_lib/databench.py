@@ -22,7 +22,14 @@ from .data import hub_features, shard_table
 from .decoding import decode_rgb
 from .loading import ImageDataset, pipeline_transforms, stack_images
 from .sources import RecordReader, list_images, read_bytes
-from .transforms import center_crop_params, classic_transforms, resized_crop_uint8, sample_crop
+from tutorial_lib.transforms import (
+    as_stored,
+    center_crop_params,
+    classic_transforms,
+    jpeg_decoder,
+    resized_crop_uint8,
+    sample_crop,
+)
 
 # %% auto #0
 __all__ = ['benchmark_pipelines', 'run_data_benchmark', 'format_data_benchmark', 'print_data_benchmark', 'benchmark_records',
@@ -244,14 +251,15 @@ def _stack_sample_images(batch: Sequence[tuple[Tensor, int]]) -> Tensor:
 
 # %% ../notebooks/07e_data_benchmarks.ipynb #d5fdbe36
 def decode_jpegs_on_cuda(encoded: Sequence[Tensor], device: torch.device) -> list[Tensor]:
-    """nvJPEG-decode JPEG byte tensors into RGB `uint8` (3, H, W) tensors on the CUDA `device`.
+    """nvJPEG-decode JPEG byte tensors into RGB `uint8` (3, H, W) tensors on the CUDA `device`, in one batched call
+    of 07's `jpeg_decoder` (TorchCodec's CUDA decoder), in the orientation the pixels are stored in (`as_stored`).
 
     Drains the current stream first: nvJPEG does not wait for queued kernels before writing memory
     the caching allocator may have just recycled from them (pytorch/vision#9606, caveat above)."""
-    from torchvision.io import ImageReadMode, decode_jpeg
-
+    encoded = list(encoded)
     torch.cuda.current_stream(device).synchronize()
-    return decode_jpeg(list(encoded), mode=ImageReadMode.RGB, device=device)
+    decoded = jpeg_decoder()(encoded, device=device)
+    return [as_stored(img, data, cuda=True) for img, data in zip(decoded, encoded)]
 
 
 def decode_batch_on_device(

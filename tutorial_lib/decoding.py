@@ -3,10 +3,12 @@
 # %% ../notebooks/07c_bad_files.ipynb #abd6f2e6
 from __future__ import annotations
 
+import functools
 import io
 import os
 import re
 import struct
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -14,7 +16,7 @@ from PIL import Image
 from torch import Tensor
 
 from .sources import UnreadableImageError, error_reason, read_bytes, unreadable_image
-from .transforms import decode_fast, jpeg_size, pil_to_uint8
+from .transforms import as_stored, decode_fast, jpeg_decoder, jpeg_size, pil_to_uint8
 
 # %% auto #0
 __all__ = ['decode_rgb', 'pil_rgb_from_bytes', 'load_pil_rgb', 'with_advice', 'EncodedTransform']
@@ -35,7 +37,7 @@ def _bomb_text(pixels: int, limit: int, dims: str = "") -> str:
 def _check_pixels(height: int, width: int) -> None:
     """Refuse, before decoding, an image larger than PIL's decompression-bomb limit (2 × `Image.MAX_IMAGE_PIXELS`).
 
-    PIL checks it itself in `Image.open`; libjpeg-turbo and libpng (torchvision's decoders) do not,
+    PIL checks it itself in `Image.open`; libjpeg-turbo and libpng (TorchCodec's decoders) do not,
     and would allocate what the header asks: 1.2 GB for a 20,000 × 20,000 RGB image."""
     limit = None if Image.MAX_IMAGE_PIXELS is None else 2 * Image.MAX_IMAGE_PIXELS
     if limit is not None and height * width > limit:
@@ -65,15 +67,26 @@ def _to_uint8(img: Tensor) -> Tensor:
     return ((img.to(torch.int32) * 255 + 32767) // 65535).to(torch.uint8)
 
 
+@functools.cache
+def _png_decoder() -> Callable[[Tensor], Tensor]:
+    """TorchCodec's `decode_png` to RGB, 16-bit samples kept as `uint16`; torchvision's where 07's `jpeg_decoder`
+    fell back to it."""
+    if jpeg_decoder().func.__module__.startswith("torchcodec"):
+        from torchcodec.decoders import decode_png
+
+        return functools.partial(decode_png, mode="RGB", output_dtype="auto")
+    from torchvision.io import ImageReadMode, decode_png
+
+    return functools.partial(decode_png, mode=ImageReadMode.RGB)
+
+
 def decode_rgb(data: Tensor, path: str | os.PathLike = "<bytes>", reduce: int = 1) -> Tensor:
     """Decode an encoded image to a `uint8` RGB tensor (3, H, W), whatever its colour space, format or depth.
 
     JPEG (RGB, grayscale, CMYK) goes through 07's `decode_fast` (libjpeg-turbo; `reduce` ∈ {2, 4, 8} decodes
-    at that fraction of its size). PNG (8 or 16 bits, also when named .JPEG) and other formats fall back to
-    torchvision/PIL. A file that cannot be decoded, or whose header announces more pixels than PIL's
+    at that fraction of its size). PNG (8 or 16 bits, also when named .JPEG) goes to TorchCodec, other formats to
+    PIL. A file that cannot be decoded, or whose header announces more pixels than PIL's
     decompression-bomb limit, raises `UnreadableImageError` naming it (07c §1)."""
-    from torchvision.io import ImageReadMode, decode_png
-
     head = bytes(data[:24].tolist())
     try:
         if head[:3] == b"\xff\xd8\xff":
@@ -84,7 +97,7 @@ def decode_rgb(data: Tensor, path: str | os.PathLike = "<bytes>", reduce: int = 
         if head[:8] == b"\x89PNG\r\n\x1a\n" and len(head) == 24:
             width, height = struct.unpack(">II", head[16:24])  # the IHDR chunk comes first
             _check_pixels(height, width)
-            img = decode_png(data, mode=ImageReadMode.RGB)
+            img = as_stored(_png_decoder()(data), data)
             return img if img.dtype == torch.uint8 else _to_uint8(img)  # 16-bit PNG: uint16 samples
         with Image.open(io.BytesIO(data.numpy().tobytes())) as im:  # GIF, BMP, WebP, ...
             return pil_to_uint8(_rgb8(im))

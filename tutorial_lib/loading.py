@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .decoding import EncodedTransform, decode_rgb, pil_rgb_from_bytes, with_advice
 from .sources import DataSource, UnreadableImageError, open_readers, resolve_data_source
-from .transforms import FastTrainTransform, FastValTransform, classic_transforms
+from .transforms import FastTrainTransform, FastValTransform, classic_transforms, jpeg_decoder
 
 # %% auto #0
 __all__ = ['SKIPPED_LABEL', 'SkipCounts', 'ImageDataset', 'base_dataset', 'pipeline_transforms', 'build_datasets',
@@ -213,9 +213,10 @@ def build_datasets(
         if int(size) != size or size < 1:
             raise ValueError(f"img_size must be a positive integer, got {size!r}")
     train_tf, val_tf = pipeline_transforms(pipeline, img_size, val_img_size or img_size, scale, reduced_decode)
-    # The decoders import torchvision on first use; a loader worker forked before that would import it itself:
-    # about 1,000 modules, seconds and some 200 MB of its own memory per worker. Imported here, it is shared (§4).
-    import torchvision.io  # noqa: F401
+    # The decoders load TorchCodec (torchvision where it is missing) on first use; a loader worker forked before that
+    # would import it itself (torchvision: about 1,000 modules, seconds and some 200 MB per worker). Loaded here,
+    # it is shared (§4).
+    jpeg_decoder()
 
     train_reader, val_reader = open_readers(resolve_data_source(source), cache_dir)
     train = ImageDataset(train_reader, train_tf, pipeline, on_bad_file)

@@ -8,6 +8,7 @@ import io
 import math
 import os
 import random
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,9 +20,10 @@ from torch import Tensor
 
 # %% auto #0
 __all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'val_resize_size', 'classic_transforms', 'pipeline_stage_times', 'jpeg_size',
-           'pil_to_uint8', 'decode_fast', 'CropParams', 'sample_crop', 'center_crop_params', 'largest_dct_reduction',
-           'resized_crop_uint8', 'FastTrainTransform', 'FastValTransform', 'imagenet_mean_std_255',
-           'normalize_on_device', 'Presizer', 'progressive_resolution', 'resize_batch']
+           'pil_to_uint8', 'jpeg_decoder', 'decode_fast', 'exif_orientation', 'as_stored', 'CropParams', 'sample_crop',
+           'center_crop_params', 'largest_dct_reduction', 'resized_crop_uint8', 'FastTrainTransform',
+           'FastValTransform', 'imagenet_mean_std_255', 'normalize_on_device', 'Presizer', 'progressive_resolution',
+           'resize_batch']
 
 # %% ../notebooks/07_data_pipeline.ipynb #22f081a8
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -52,22 +54,21 @@ def pipeline_stage_times(files: Sequence[str | os.PathLike], img_size: int = 224
     import torchvision.transforms.functional as TF
     import torchvision.transforms.v2.functional as F2
     from torchvision.datasets.folder import default_loader
-    from torchvision.io import ImageReadMode, decode_jpeg, read_file
 
     rrc, norm = T.RandomResizedCrop(img_size), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
-    files = [str(f) for f in files]
-    encoded = [read_file(f) for f in files]
+    files, decode_jpeg = [str(f) for f in files], jpeg_decoder()
+    encoded = [torch.frombuffer(bytearray(open(f, "rb").read()), dtype=torch.uint8) for f in files]
     pil = [default_loader(f) for f in files]
     crops = [rrc(im) for im in pil]
     floats = [TF.to_tensor(c) for c in crops]
-    decoded = [decode_jpeg(e, mode=ImageReadMode.RGB) for e in encoded]
+    decoded = [decode_jpeg(e) for e in encoded]
     boxes = [T.RandomResizedCrop.get_params(d, rrc.scale, rrc.ratio) for d in decoded]
     stages = {
         "classic: decode (PIL)": lambda k: default_loader(files[k]),
         "classic: RandomResizedCrop (PIL)": lambda k: rrc(pil[k]),
         "classic: ToTensor (to float)": lambda k: TF.to_tensor(crops[k]),
         "classic: Normalize": lambda k: norm(floats[k]),
-        "uint8: decode (decode_jpeg)": lambda k: decode_jpeg(encoded[k], mode=ImageReadMode.RGB),
+        "uint8: decode (TorchCodec)": lambda k: decode_jpeg(encoded[k]),
         "uint8: crop + resize (antialiased)": lambda k: F2.resized_crop(
             decoded[k], *boxes[k], [img_size, img_size], antialias=True
         ),
@@ -120,21 +121,103 @@ def pil_to_uint8(im: Image.Image) -> Tensor:
     return torch.from_numpy(np.array(im if im.mode == "RGB" else im.convert("RGB"))).permute(2, 0, 1)
 
 
+@functools.cache
+def jpeg_decoder() -> Callable[..., Tensor | list[Tensor]]:
+    """`decode(data or [data, ...], device="cpu")`: JPEG bytes → RGB `uint8` (3, H, W), TorchCodec's `decode_jpeg`.
+
+    Where TorchCodec cannot be imported (not installed, or no release built for this torch), torchvision's
+    deprecated `decode_jpeg`, the same libjpeg-turbo decoder, said once on stderr (07 §5)."""
+    try:
+        from torchcodec.decoders import decode_jpeg
+
+        return functools.partial(decode_jpeg, mode="RGB")
+    except (ImportError, OSError, RuntimeError) as err:
+        why = "is not installed" if isinstance(err, ModuleNotFoundError) else f"cannot be loaded ({type(err).__name__})"
+        print(
+            f"TorchCodec {why}: JPEGs are decoded with torchvision.io.decode_jpeg, deprecated since torchvision 0.29 "
+            "(pip install torchcodec)",
+            file=sys.stderr,
+        )
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        return functools.partial(decode_jpeg, mode=ImageReadMode.RGB)
+
+
 def decode_fast(data: Tensor, path: str | os.PathLike = "<bytes>", reduce: int = 1) -> Tensor:
     """Decode an encoded image to a `uint8` RGB tensor (3, H, W): a JPEG with libjpeg-turbo (grayscale and CMYK
     come out as RGB), at 1/`reduce` of its size in the DCT domain when `reduce` ∈ {2, 4, 8}; other formats through PIL.
 
     The decoder of 07 §5. `path` only names the image: 07c's `decode_rgb`, the one the datasets use, also names a
     file it cannot decode, refuses decompression bombs and scales 16-bit images."""
-    from torchvision.io import ImageReadMode, decode_jpeg
-
     jpeg = bytes(data[:3].tolist()) == b"\xff\xd8\xff"
     if jpeg and reduce == 1:
-        return decode_jpeg(data, mode=ImageReadMode.RGB)
+        return as_stored(jpeg_decoder()(data), data)
     with Image.open(io.BytesIO(data.numpy().tobytes())) as im:
-        if jpeg:  # DCT-domain scaling: most of the inverse DCT and colour conversion is skipped
+        if jpeg:  # DCT-domain scaling (TorchCodec has none): most of the inverse DCT and colour conversion is skipped
             im.draft("RGB", (max(1, im.width // reduce), max(1, im.height // reduce)))
         return pil_to_uint8(im)
+
+# %% ../notebooks/07_data_pipeline.ipynb #3c5e0a71
+def _tiff_orientation(tiff: bytes) -> int:
+    """The orientation tag of an EXIF (TIFF) block, read as TorchCodec reads it (its `Exif.h`); -1 if absent."""
+    n, order = len(tiff), "little" if tiff[:2] == b"II" else "big"
+
+    def uint(at: int, size: int) -> int:
+        return int.from_bytes(tiff[at : at + size], order) if at + size <= n else 0xFFFF
+
+    if uint(2, 2) != 0x2A:
+        return -1
+    at = uint(4, 4)
+    for k in range(uint(at, 2)):
+        tag = uint(at + 2 + 12 * k, 2)
+        if tag == 0xFFFF:
+            break
+        if tag == 0x0112:
+            return uint(at + 2 + 12 * k + 8, 2)
+    return -1
+
+
+def exif_orientation(data: Tensor, cuda: bool = False) -> int:
+    """The EXIF orientation (1–8; -1 if none) TorchCodec applies when it decodes `data`: a JPEG's first APP1
+    segment (on CUDA: its first "Exif" APP1 segment) or a PNG's eXIf chunk before the pixels."""
+    mv = memoryview(data.numpy()).cast("B")
+    n = len(mv)
+    if bytes(mv[:8]) == b"\x89PNG\r\n\x1a\n":
+        at = 8
+        while at + 8 <= n and bytes(mv[at + 4 : at + 8]) != b"IDAT":
+            length = int.from_bytes(mv[at : at + 4], "big")
+            if bytes(mv[at + 4 : at + 8]) == b"eXIf":
+                return _tiff_orientation(bytes(mv[at + 8 : at + 8 + length]))
+            at += 12 + length
+        return -1
+    at = 2 if bytes(mv[:2]) == b"\xff\xd8" else n
+    while at + 4 <= n and mv[at] == 0xFF and mv[at + 1] not in (0xD9, 0xDA):  # segments up to the start of scan
+        length = (mv[at + 2] << 8) | mv[at + 3]
+        if mv[at + 1] == 0xE1 and (not cuda or bytes(mv[at + 4 : at + 10]) == b"Exif\x00\x00"):
+            return _tiff_orientation(bytes(mv[at + 10 : at + 2 + length])) if length > 8 else -1
+        at += 2 + length
+    return -1
+
+
+_UNDO_ORIENTATION = {  # TorchCodec's output for each EXIF orientation → the pixels as stored
+    2: lambda x: x.flip(-1),
+    3: lambda x: x.flip(-2, -1),
+    4: lambda x: x.flip(-2),
+    5: lambda x: x.transpose(-1, -2),
+    6: lambda x: x.flip(-1).transpose(-1, -2),
+    7: lambda x: x.flip(-2, -1).transpose(-1, -2),
+    8: lambda x: x.flip(-2).transpose(-1, -2),
+}
+
+
+def as_stored(img: Tensor, data: Tensor, cuda: bool = False) -> Tensor:
+    """TorchCodec's decode `img` of `data` in the orientation its pixels are stored in, as torchvision's decoders
+    and PIL return them: TorchCodec turns an image by its EXIF orientation tag, while 07's crops are planned on
+    the size in the header (07 §5). Unchanged where `jpeg_decoder` fell back to torchvision's decoder."""
+    if not jpeg_decoder().func.__module__.startswith("torchcodec"):
+        return img
+    undo = _UNDO_ORIENTATION.get(exif_orientation(data, cuda))
+    return img if undo is None else undo(img)
 
 # %% ../notebooks/07_data_pipeline.ipynb #9af26ef3
 @dataclass(frozen=True)
@@ -319,9 +402,12 @@ def normalize_on_device(images: Tensor, channels_last: bool = False) -> Tensor:
 class Presizer:
     """An image's bytes pre-sized for storage (07 §5): unchanged when its longer side is at most `max_side`; else
     decoded as training decodes it, shrunk so that this side is `max_side` (aspect kept, Lanczos) and saved as a
-    JPEG of `jpeg_quality`. `counts`: images resized, kept, and unreadable (kept as they are, for training to name)."""
+    JPEG of `jpeg_quality`. `counts`: images resized, kept, and unreadable (kept as they are, for training to name).
 
-    def __init__(self, max_side: int, jpeg_quality: int = 90):
+    `decode(data, path, reduce)` as in `FastTrainTransform`: give it the datasets' decoder, 07c's `decode_rgb` (07b
+    does), or a 16-bit greyscale PNG is stored almost white (`decode_fast`'s PIL path clips it)."""
+
+    def __init__(self, max_side: int, jpeg_quality: int = 90, decode: Callable[..., Tensor] = decode_fast):
         if (
             int(max_side) != max_side
             or max_side < 1
@@ -332,7 +418,7 @@ class Presizer:
                 f"need an integer max_side >= 1 and jpeg_quality in [1, 100], got {max_side}, {jpeg_quality}"
             )
         self.settings = {"max_side": int(max_side), "jpeg_quality": int(jpeg_quality)}
-        self.counts = {"resized": 0, "kept": 0, "unreadable": 0}
+        self.counts, self.decode = {"resized": 0, "kept": 0, "unreadable": 0}, decode
 
     def __call__(self, data: bytes) -> bytes:
         try:
@@ -349,7 +435,7 @@ class Presizer:
         scale = self.settings["max_side"] / max(height, width)
         size = (max(1, round(width * scale)), max(1, round(height * scale)))
         reduce = next(k for k in (8, 4, 2, 1) if k * scale <= 1)  # DCT-domain decoding while it stays >= size
-        pixels = decode_fast(torch.frombuffer(bytearray(data), dtype=torch.uint8), reduce=reduce)
+        pixels = self.decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), reduce=reduce)
         small = Image.fromarray(pixels.permute(1, 2, 0).numpy()).resize(size, Image.Resampling.LANCZOS)
         out = io.BytesIO()
         small.save(out, "JPEG", quality=self.settings["jpeg_quality"])
