@@ -21,12 +21,12 @@ from .core import SMOKE_ENV_VAR, UserError, environment_report, in_notebook
 
 # %% auto #0
 __all__ = ['positive_int', 'non_negative_int', 'positive_float', 'non_negative_float', 'COURSE_NOTEBOOKS', 'WORDS_PER_MINUTE',
-           'CODE_LINES_PER_MINUTE', 'NAV_TAG', 'TIME_LINE', 'number_flag', 'OneLineParser', 'HelpFormatter',
-           'model_name', 'run_name', 'user_path', 'one_line', 'exit_code', 'cli_main', 'run_on_user_files', 'as_flags',
-           'parse_overrides', 'format_size', 'Progress', 'config_path', 'course_notebooks', 'shown_path',
-           'NotebookStats', 'notebook_stats', 'course_stats', 'format_course_map', 'navigation_text',
-           'write_navigation', 'merge_stream_outputs', 'run_notebooks', 'clean_script', 'get_args_parser',
-           'run_command', 'main']
+           'CODE_LINES_PER_MINUTE', 'NAV_TAG', 'TIME_LINE', 'LIBRARY_RECORD', 'number_flag', 'OneLineParser',
+           'HelpFormatter', 'model_name', 'run_name', 'user_path', 'one_line', 'exit_code', 'cli_main',
+           'run_on_user_files', 'as_flags', 'parse_overrides', 'format_size', 'Progress', 'config_path',
+           'course_notebooks', 'shown_path', 'NotebookStats', 'notebook_stats', 'course_stats', 'format_course_map',
+           'navigation_text', 'write_navigation', 'merge_stream_outputs', 'library_fingerprint', 'stale_outputs',
+           'run_notebooks', 'clean_script', 'get_args_parser', 'run_command', 'main']
 
 # %% ../notebooks/00a_course_tools.ipynb #abf5a5d3
 def number_flag(
@@ -556,14 +556,61 @@ def merge_stream_outputs(nb) -> int:
             cell["outputs"] = merged
     return joined
 
+# %% ../notebooks/00a_course_tools.ipynb #02a363b4
+LIBRARY_RECORD = "tutorial_lib"  # the notebook metadata key under which `run_notebooks` records the modules it ran
+
+
+def _named_modules(text: str) -> set[str]:
+    """Modules of the package that code names: `tutorial_lib.x` (an import, or `python -m tutorial_lib.x`), `from
+    tutorial_lib import x`, and a notebook's own `#| default_exp x`."""
+    names = set(re.findall(r"\btutorial_lib\.(\w+)", text)) | set(re.findall(r"^#\|\s*default_exp\s+(\w+)", text, re.M))
+    for group in re.findall(r"^\s*from\s+tutorial_lib\s+import\s+\(?([\w\s,]+)", text, re.M):
+        names |= {name.strip() for name in group.split(",") if name.strip()}
+    return names
+
+
+def library_fingerprint(cells: Iterable[dict]) -> dict[str, str]:
+    """The modules of tutorial_lib that these notebook cells run, as file names, each with the first 12 hex digits
+    of its SHA-256: those the code cells name, and what those import from the package, transitively."""
+    import tutorial_lib  # its folder (also where this function is defined in a notebook, with no __file__)
+
+    package = Path(tutorial_lib.__file__).parent
+    todo = set().union(*(_named_modules("".join(c["source"])) for c in cells if c["cell_type"] == "code"))
+    sources = {}
+    while todo:
+        name = todo.pop()
+        file = package / f"{name}.py"
+        if name in sources or not file.is_file():  # not a module (`__version__`), or seen
+            continue
+        sources[name] = file.read_bytes()
+        todo |= set(re.findall(r"^\s*from \.(\w+) import", sources[name].decode(), re.M))
+        todo |= _named_modules(sources[name].decode())
+    return {f"{name}.py": hashlib.sha256(data).hexdigest()[:12] for name, data in sorted(sources.items())}
+
+
+def stale_outputs(paths: Iterable[str | os.PathLike]) -> dict[str, list[str] | None]:
+    """The notebooks among `paths` (as given) whose committed outputs may be out of date -> why: the modules that
+    changed since `run_notebooks` made those outputs (or that the notebook runs now and did not then), or None for a
+    notebook with no record (never run in full mode by `run_notebooks` since it began to record)."""
+    stale = {}
+    for path in map(Path, paths):
+        nb = json.loads(path.read_text())
+        recorded = nb.get("metadata", {}).get(LIBRARY_RECORD, {}).get("modules")
+        now = library_fingerprint(nb["cells"])
+        changed = None if recorded is None else [name for name, digest in now.items() if recorded.get(name) != digest]
+        if changed is None or changed:
+            stale[str(path)] = changed
+    return stale
+
 # %% ../notebooks/00a_course_tools.ipynb #9fc6ac89
 def run_notebooks(
     paths: Iterable[str | os.PathLike], smoke: bool = False, timeout: float = 3600, clean: bool = True
 ) -> dict[str, float]:
     """Execute notebooks top to bottom in a fresh kernel each and return the seconds each took.
 
-    Full mode (`smoke=False`) writes the outputs into the files, then runs `nbdev-clean` (with `clean`) on those
-    files only: how the committed outputs are made. Smoke mode only checks that they run and leaves the files alone.
+    Full mode (`smoke=False`) writes the outputs into the files, with the modules each notebook ran in its metadata
+    (`library_fingerprint`, for `stale_outputs`), then runs `nbdev-clean` (with `clean`) on those files only: how the
+    committed outputs are made. Smoke mode only checks that they run and leaves the files alone.
     Before anything runs, a path that is missing, not a notebook or (in full mode) not writable is a `UserError`.
     A failing cell raises `nbclient`'s error naming the notebook and the cell."""
     import nbclient
@@ -586,6 +633,7 @@ def run_notebooks(
     try:
         for path in paths:
             nb = nbformat.read(path, as_version=4)
+            modules = library_fingerprint(nb.cells)  # the sources as they are when the kernel imports them
             start = time.perf_counter()
             nbclient.NotebookClient(
                 nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
@@ -594,6 +642,7 @@ def run_notebooks(
             print(f"{path.name}: {seconds[path.name]:.0f} s ({'smoke' if smoke else 'full'} mode)", flush=True)
             if not smoke:
                 merge_stream_outputs(nb)
+                nb.metadata[LIBRARY_RECORD] = {"modules": modules}
                 nbformat.write(nb, path)
     finally:
         os.environ.clear()
@@ -630,7 +679,8 @@ def clean_script(source: str | None = None) -> str:
 
 # %% ../notebooks/00a_course_tools.ipynb #365c9ede
 def get_args_parser() -> argparse.ArgumentParser:
-    """`tutorial-lib [run-notebooks [NOTEBOOK ...] [--smoke] | course-map [--write] | copy-script DEST]`."""
+    """`tutorial-lib [run-notebooks [NOTEBOOK ...] [--smoke] | stale-outputs | course-map [--write] | copy-script
+    DEST]`."""
     parser = OneLineParser(
         prog="tutorial-lib",
         formatter_class=HelpFormatter,
@@ -649,6 +699,11 @@ def get_args_parser() -> argparse.ArgumentParser:
         "--smoke",
         action="store_true",
         help="small sizes, about a minute a notebook on a laptop CPU; the files are left alone",
+    )
+    commands.add_parser(
+        "stale-outputs",
+        formatter_class=HelpFormatter,
+        help="the notebooks whose outputs were made before a change of the modules they run",
     )
     course_map = commands.add_parser(
         "course-map",
@@ -674,6 +729,12 @@ def run_command(args: argparse.Namespace) -> None:
             raise UserError("no notebooks/NN_*.ipynb here: run it from the project folder, or name the notebooks")
         seconds = run_notebooks(paths, smoke=args.smoke)
         print(f"{len(seconds)} notebooks, {sum(seconds.values()) / 60:.1f} min in all")
+        return
+    if args.command == "stale-outputs":
+        stale = stale_outputs(course_notebooks())
+        for name, changed in stale.items():
+            print(f"{name}: " + (", ".join(changed) + " changed since" if changed else "no record of") + " its outputs")
+        print(f"{len(stale)} of {len(course_notebooks())} notebooks to run again (tutorial-lib run-notebooks NOTEBOOK)")
         return
     if args.command == "copy-script":
         dest = Path(args.dest) / "simple_train.py" if Path(args.dest).is_dir() else Path(args.dest)
