@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -53,10 +54,12 @@ from tutorial_lib.transforms import (
 )
 
 # %% auto #0
-__all__ = ['RECIPE_V1', 'seed_value', 'WARMUP_CAP', 'BadFlagError', 'build_model', 'get_args_parser', 'wandb_project_name',
-           'add_run_and_data_flags', 'add_optimisation_flags', 'add_speed_and_checkpoint_flags', 'default_args',
-           'resolve_learning_rate', 'train_crop_size', 'train_resolution', 'meta_model', 'input_size_error',
-           'smallest_input_size', 'check_input_sizes', 'check_args', 'check_paths']
+__all__ = ['RECIPE_V1', 'seed_value', 'RESUMABLE_FLAGS', 'NOT_RESUMABLE_FLAGS', 'WARMUP_CAP', 'BadFlagError', 'build_model',
+           'get_args_parser', 'wandb_project_name', 'add_run_and_data_flags', 'add_optimisation_flags',
+           'add_speed_and_checkpoint_flags', 'default_args', 'optimisation_flags', 'check_resume_flags',
+           'LaunchSettings', 'train_crop_size', 'run_folder', 'launch_settings', 'resolve_learning_rate',
+           'train_resolution', 'meta_model', 'input_size_error', 'smallest_input_size', 'check_input_sizes',
+           'check_args', 'check_paths']
 
 # %% ../notebooks/08a_flags_and_checks.ipynb #774e706e
 class BadFlagError(UserError, ValueError):
@@ -203,6 +206,25 @@ def add_run_and_data_flags(group, data) -> None:
     add_data("--max_val_samples", type=positive_int, default=None, help="evaluate on a seeded random subset")
 
 # %% ../notebooks/08a_flags_and_checks.ipynb #f2a9c7d1
+# What a resume does with each optimisation and schedule flag (08b's `resume_run`): the value given now wins, by the
+# means said here, or the resume is refused when the value differs from the one the checkpoint recorded
+RESUMABLE_FLAGS = {
+    **dict.fromkeys(
+        ["learning_rate", "lr_base", "lr_base_batch", "momentum"]
+        + ["weight_decay", "norm_weight_decay", "bias_weight_decay"],
+        "set again on the restored optimizer's parameter groups",
+    ),
+    **dict.fromkeys(
+        ["epochs", "batch_size", "gradient_accumulation_steps", "lr_scheduler", "lr_step_size", "step_lr_decay"]
+        + ["lr_milestones", "lr_min", "lr_warmup_epochs", "lr_warmup_start_factor"],
+        "the schedule is rebuilt from the flags, at the checkpoint's place in it (a mid-epoch checkpoint refuses "
+        "another batch layout, 06a)",
+    ),
+    **dict.fromkeys(["label_smoothing", "on_nonfinite_loss", "max_grad_norm"], "read by every step"),
+}
+NOT_RESUMABLE_FLAGS = {"zero_init_residual": "it sets the initial weights only, which the checkpoint's replace"}
+
+
 def add_optimisation_flags(group, schedule) -> None:
     add, add_schedule, V1 = group.add_argument, schedule.add_argument, RECIPE_V1
     add("--epochs", type=positive_int, default=V1["epochs"], help="passes over the training set")
@@ -347,45 +369,105 @@ def default_args(**overrides) -> argparse.Namespace:
     (00a's `parse_overrides`; `BadFlagError` otherwise). For notebooks and tests."""
     return parse_overrides(get_args_parser(exit_on_error=False), **overrides)
 
+# %% ../notebooks/08a_flags_and_checks.ipynb #b3e0d5c2
+def optimisation_flags(parser: argparse.ArgumentParser | None = None) -> list[str]:
+    """The optimisation and schedule flags of `parser` (the script's by default): what every checkpoint records."""
+    groups = (parser or get_args_parser())._action_groups
+    titles = ("optimisation", "learning-rate schedule")
+    return [action.dest for group in groups if group.title.startswith(titles) for action in group._group_actions]
+
+
+def check_resume_flags(saved: dict, args: argparse.Namespace, checkpoint: str | Path) -> None:
+    """Refuse a resume whose flags change a value the checkpoint recorded (`saved`: its `optimisation_flags`) that
+    `RESUMABLE_FLAGS` does not say how to apply. A flag the checkpoint did not record is not checked."""
+    for flag, then in saved.items():
+        now = getattr(args, flag, then)
+        if flag in RESUMABLE_FLAGS or now == then:
+            continue
+        why = NOT_RESUMABLE_FLAGS.get(flag, "nothing applies it to a resumed run: it is not in RESUMABLE_FLAGS")
+        raise BadFlagError(
+            f"--{flag} is {now!r} here but {then!r} in {checkpoint}: a resume cannot change it ({why}); resume "
+            "with the checkpoint's value, or start a new --experiment_name"
+        )
+
 # %% ../notebooks/08a_flags_and_checks.ipynb #66362890
 WARMUP_CAP = 0.25  # the derived warmup takes at most this fraction of the run: a short one must still train after it
 
 
-def resolve_learning_rate(args: argparse.Namespace, num_processes: int) -> argparse.Namespace:
-    """A copy of `args` with the learning rate and warmup of this launch's global batch (05's linear scaling rule,
-    Goyal et al. 2017): lr = --lr_base × global batch / --lr_base_batch unless --learning_rate is given, and a
-    warmup of 5 × (1 − 256 / global batch) epochs unless --lr_warmup_epochs is (none up to 256, ≈5 at 8k), at most
-    `WARMUP_CAP` of the run (a 1-epoch run at 1,024 gets 0.25, not 3.75). `lr_derived` and `lr_warmup_derived` say
-    which of the two the flags did not give, so that an error about them can say where they came from."""
-    global_batch = global_batch_size(args.batch_size, args.gradient_accumulation_steps, num_processes)
-    resolved = argparse.Namespace(**vars(args))
-    resolved.lr_derived, resolved.lr_warmup_derived = args.learning_rate is None, args.lr_warmup_epochs is None
-    if args.learning_rate is None:
-        resolved.learning_rate = scaled_lr(global_batch, args.lr_base, args.lr_base_batch)
-        resolved.lr_rule = f"lr {resolved.learning_rate:.4g} = {args.lr_base:g} x {global_batch} / {args.lr_base_batch}"
-    else:
-        resolved.lr_rule = (
-            f"lr {args.learning_rate:g} (--learning_rate; the scaling rule would give "
-            f"{scaled_lr(global_batch, args.lr_base, args.lr_base_batch):.4g})"
-        )
-    capped = ""
-    if args.lr_warmup_epochs is None:
-        rule = round(5 * max(0.0, 1 - 256 / global_batch), 2)
-        resolved.lr_warmup_epochs = min(rule, round(WARMUP_CAP * args.epochs, 2))
-        if resolved.lr_warmup_epochs < rule:  # said at start: the rule alone would fill most of a short run
-            capped = (
-                f" (the rule's 5 x (1 - 256 / {global_batch}) = {rule:g}, capped at {WARMUP_CAP:.0%} of the "
-                f"{args.epochs}-epoch run)"
-            )
-    resolved.lr_rule += f", warmup {resolved.lr_warmup_epochs:g} epochs{capped}, global batch {global_batch}"
-    return resolved
+@dataclass(frozen=True)
+class LaunchSettings:
+    """What the flags and the launch make together, derived once by `launch_settings` and passed on (`check_args`,
+    08b's `train`): `args` stays as parsed. `lr_derived`, `lr_warmup_derived`: no flag gave the value, the rule did."""
 
-# %% ../notebooks/08a_flags_and_checks.ipynb #0ce5e1d2
+    num_processes: int
+    global_batch: int  # batch_size x gradient_accumulation_steps x num_processes
+    learning_rate: float
+    lr_derived: bool
+    lr_origin: str  # "lr 0.025 = 0.1 x 64 / 256", or "lr 0.1 (--learning_rate; ...)": what an error quotes
+    lr_warmup_epochs: float
+    lr_warmup_derived: bool
+    lr_rule: str  # the line every run prints at start and config.json keeps
+    train_crop: int  # the loader's training crop: --max_res with progressive resizing (10), else --img_size
+    val_img_size: int  # the evaluation's resolution: --val_img_size, else --img_size
+
+    def as_flags(self) -> dict:
+        """The values `config.json` records beside the flags (the learning rate and warmup in place of theirs)."""
+        names = ("learning_rate", "lr_warmup_epochs", "lr_derived", "lr_warmup_derived", "lr_rule")
+        return {name: getattr(self, name) for name in names}
+
+
 def train_crop_size(args: argparse.Namespace) -> int:
     """The loader's training crop: `--max_res` with progressive resizing (10), else `--img_size`."""
     return args.max_res if args.min_res else args.img_size
 
 
+def run_folder(args: argparse.Namespace) -> Path:
+    """The run's folder, `<working_directory>/<experiment_name>`, as given (a relative one stays relative)."""
+    return Path(args.working_directory) / args.experiment_name
+
+
+def launch_settings(args: argparse.Namespace, num_processes: int = 1) -> LaunchSettings:
+    """The settings of a launch of `num_processes` with these flags. The learning rate and warmup of its global batch
+    (05's linear scaling rule, Goyal et al. 2017): lr = --lr_base × global batch / --lr_base_batch unless
+    --learning_rate is given, and a warmup of 5 × (1 − 256 / global batch) epochs unless --lr_warmup_epochs is (none
+    up to 256, ≈5 at 8k), at most `WARMUP_CAP` of the run (a 1-epoch run at 1,024 gets 0.25, not 3.75)."""
+    global_batch = global_batch_size(args.batch_size, args.gradient_accumulation_steps, num_processes)
+    by_rule = scaled_lr(global_batch, args.lr_base, args.lr_base_batch)
+    if args.learning_rate is None:
+        lr, origin = by_rule, f"lr {by_rule:.4g} = {args.lr_base:g} x {global_batch} / {args.lr_base_batch}"
+    else:
+        lr = args.learning_rate
+        origin = f"lr {lr:g} (--learning_rate; the scaling rule would give {by_rule:.4g})"
+    warmup, capped = args.lr_warmup_epochs, ""
+    if warmup is None:
+        rule = round(5 * max(0.0, 1 - 256 / global_batch), 2)
+        warmup = min(rule, round(WARMUP_CAP * args.epochs, 2))
+        if warmup < rule:  # said at start: the rule alone would fill most of a short run
+            capped = (
+                f" (the rule's 5 x (1 - 256 / {global_batch}) = {rule:g}, capped at {WARMUP_CAP:.0%} of the "
+                f"{args.epochs}-epoch run)"
+            )
+    return LaunchSettings(
+        num_processes=num_processes,
+        global_batch=global_batch,
+        learning_rate=lr,
+        lr_derived=args.learning_rate is None,
+        lr_origin=origin,
+        lr_warmup_epochs=warmup,
+        lr_warmup_derived=args.lr_warmup_epochs is None,
+        lr_rule=f"{origin}, warmup {warmup:g} epochs{capped}, global batch {global_batch}",
+        train_crop=train_crop_size(args),
+        val_img_size=args.val_img_size or args.img_size,
+    )
+
+
+def resolve_learning_rate(args: argparse.Namespace, num_processes: int) -> argparse.Namespace:
+    """A copy of `args` with `launch_settings`' learning rate and warmup in place of the flags', and `lr_rule`,
+    `lr_derived`, `lr_warmup_derived`: the flags as `config.json` records them, for code that reads them there.
+    Checks take the parsed flags and the settings (`check_args(args, settings)`), not this copy."""
+    return argparse.Namespace(**{**vars(args), **launch_settings(args, num_processes).as_flags()})
+
+# %% ../notebooks/08a_flags_and_checks.ipynb #0ce5e1d2
 def train_resolution(args: argparse.Namespace, epoch: int) -> int:
     """The resolution the model trains at in `epoch`: `--img_size`, or FFCV's schedule with `--min_res` (10)."""
     if not args.min_res:
@@ -434,7 +516,7 @@ def smallest_input_size(net: nn.Module, upto: int = 1024) -> int | None:
     return high
 
 # %% ../notebooks/08a_flags_and_checks.ipynb #5e1b7a3c
-def check_input_sizes(args: argparse.Namespace, net: nn.Module) -> None:
+def check_input_sizes(args: argparse.Namespace, net: nn.Module, settings: LaunchSettings) -> None:
     """Every image size the run feeds the model (its training crops, progressive resizing's, evaluation's) fits it:
     at start, not once the data is read (for --val_img_size, a whole epoch later)."""
     if args.min_res:  # every resolution of the progressive-resizing schedule
@@ -444,7 +526,7 @@ def check_input_sizes(args: argparse.Namespace, net: nn.Module) -> None:
         }
     else:
         sizes = {args.img_size: f"--img_size {args.img_size}"}
-    val = args.val_img_size or args.img_size
+    val = settings.val_img_size
     sizes.setdefault(val, f"--val_img_size {val}" if args.val_img_size else f"--img_size {val}")
     for size, what in sorted(sizes.items()):
         error = input_size_error(net, size)
@@ -459,10 +541,11 @@ def check_input_sizes(args: argparse.Namespace, net: nn.Module) -> None:
         raise BadFlagError(f"{what} does not fit --model {args.model} ({error})")
 
 # %% ../notebooks/08a_flags_and_checks.ipynb #c4d81f0e
-def check_args(args: argparse.Namespace) -> DataSource:
+def check_args(args: argparse.Namespace, settings: LaunchSettings | None = None) -> DataSource:
     """The rules that involve several flags, then the paths: before any data is read (cases in 11b). Each flag's
-    own value was checked where it is declared, by its `type=` (the command line and `default_args`). Returns
-    `--path_to_data` resolved (07a), for `load_data`."""
+    own value was checked where it is declared, by its `type=` (the command line and `default_args`). `settings`:
+    the launch's (`train` passes its own), else those of one process. Returns `--path_to_data` resolved (07a)."""
+    settings = settings or launch_settings(args)
     resizing = (args.min_res, args.max_res, args.end_ramp)
     if any(v is not None for v in resizing):
         if None in resizing:
@@ -484,7 +567,7 @@ def check_args(args: argparse.Namespace) -> DataSource:
                 f"--compile_backend {args.compile_backend!r} is not a torch.compile backend; "
                 f"use one of {', '.join(list_backends())} (inductor, the default, compiles to fast kernels)"
             )
-    run_dir = (Path(args.working_directory) / args.experiment_name).resolve()
+    run_dir = run_folder(args).resolve()
     if args.overwrite and args.resume_from_checkpoint:  # allowed: another run's checkpoint continued in this folder
         checkpoint = Path(args.resume_from_checkpoint).resolve()
         if args.resume_from_checkpoint == "latest" or run_dir in (checkpoint, *checkpoint.parents):
@@ -502,17 +585,17 @@ def check_args(args: argparse.Namespace) -> DataSource:
                 "one image per process has no batch statistics; use --batch_size 2 or more"
             )
     if net is not None:
-        check_input_sizes(args, net)
-    if args.lr_warmup_epochs >= args.epochs:
+        check_input_sizes(args, net, settings)
+    warmup = settings.lr_warmup_epochs
+    if warmup >= args.epochs:
         raise BadFlagError(
-            f"--lr_warmup_epochs {args.lr_warmup_epochs:g} covers the whole run of {args.epochs} "
-            "epochs; use fewer warmup epochs"
+            f"--lr_warmup_epochs {warmup:g} covers the whole run of {args.epochs} epochs; use fewer warmup epochs"
         )
-    if args.lr_scheduler in ("cosine", "linear") and args.lr_min >= args.learning_rate:
+    if args.lr_scheduler in ("cosine", "linear") and args.lr_min >= settings.learning_rate:
         lr = (
-            f"the learning rate derived from the global batch ({args.lr_rule.split(',')[0]}; --learning_rate not given)"
-            if getattr(args, "lr_derived", False)
-            else f"--learning_rate {args.learning_rate:g}"
+            f"the learning rate derived from the global batch ({settings.lr_origin}; --learning_rate not given)"
+            if settings.lr_derived
+            else f"--learning_rate {settings.learning_rate:g}"
         )
         raise BadFlagError(
             f"--lr_min {args.lr_min:g} must be below {lr}: the {args.lr_scheduler} schedule decays "
@@ -525,17 +608,17 @@ def check_args(args: argparse.Namespace) -> DataSource:
                 f"--lr_scheduler multistep needs --lr_milestones: increasing epochs below --epochs "
                 f"{args.epochs} at which the LR is multiplied by --step_lr_decay, got {milestones}"
             )
-    if args.lr_scheduler == "onecycle" and not 0 < args.lr_warmup_epochs <= args.epochs / 2:
-        if getattr(args, "lr_warmup_derived", False):  # the user gave no warmup: say where this one came from
+    if args.lr_scheduler == "onecycle" and not 0 < warmup <= args.epochs / 2:
+        if settings.lr_warmup_derived:  # the user gave no warmup: say where this one came from
             raise BadFlagError(
                 f"--lr_scheduler onecycle rises during the warmup, but the warmup derived from the "
-                f"global batch is {args.lr_warmup_epochs:g} epochs (5 x (1 - 256 / global batch), none "
+                f"global batch is {warmup:g} epochs (5 x (1 - 256 / global batch), none "
                 "up to 256): give --lr_warmup_epochs, more than 0 and at most half the run (e.g. "
                 f"--lr_warmup_epochs {0.3 * args.epochs:g})"
             )
         raise BadFlagError(
             "--lr_scheduler onecycle rises during --lr_warmup_epochs: give it more than 0 and at most "
-            f"half the run (e.g. --lr_warmup_epochs {0.3 * args.epochs:g}), not {args.lr_warmup_epochs:g}"
+            f"half the run (e.g. --lr_warmup_epochs {0.3 * args.epochs:g}), not {warmup:g}"
         )
     return check_paths(args)
 
@@ -546,7 +629,7 @@ def check_paths(args: argparse.Namespace) -> DataSource:
         source = resolve_data_source(args.path_to_data)
     except (FileNotFoundError, NotADirectoryError) as err:
         raise MissingPathError(f"--path_to_data: {err}") from None
-    run_dir = Path(args.working_directory) / args.experiment_name
+    run_dir = run_folder(args)
     if args.resume_from_checkpoint not in (None, "", "latest"):
         resolve_resume_path(args.resume_from_checkpoint, run_dir)
     check_writable(run_dir, f"--working_directory {args.working_directory}")  # 06b: now, not after the first epoch

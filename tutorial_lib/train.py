@@ -34,6 +34,7 @@ from tutorial_lib.accumulation import (
     loss_scale,
 )
 from tutorial_lib.checkpoints import (
+    MANIFEST,
     DiskFullError,
     RunFolderError,
     TrainState,
@@ -54,18 +55,20 @@ from tutorial_lib.core import (
     MissingPathError,
     StepTimer,
     count_training_flops,
-    global_batch_size,
     in_notebook,
     mfu_unknown_note,
     peak_flops_for,
 )
 from tutorial_lib.flags import (
     BadFlagError,
+    LaunchSettings,
     build_model,
     check_args,
+    check_resume_flags,
     get_args_parser,
-    resolve_learning_rate,
-    train_crop_size,
+    launch_settings,
+    optimisation_flags,
+    run_folder,
     train_resolution,
 )
 from tutorial_lib.launching import (
@@ -114,8 +117,8 @@ from tutorial_lib.transforms import (
 # %% auto #0
 __all__ = ['TIMING_KEYS', 'WATCHED_FLAGS', 'SHARED_ERRORS', 'LATE_SIGNALS', 'Run', 'EpochResult', 'train_step', 'train_one_epoch',
            'log_step', 'save_run_checkpoint', 'evaluate', 'load_data', 'build_optimizer', 'build_training_scheduler',
-           'setup_run', 'resume_run', 'open_outputs', 'train_and_evaluate', 'report_skips', 'epoch_row', 'finish_run',
-           'train', 'error_line', 'main', 'run_command', 'finish_despite_late_signals']
+           'setup_run', 'resume_run', 'override_hyperparameters', 'open_outputs', 'train_and_evaluate', 'report_skips',
+           'epoch_row', 'finish_run', 'train', 'error_line', 'main', 'run_command', 'finish_despite_late_signals']
 
 # %% ../notebooks/08b_production_script.ipynb #513e2408
 @dataclass
@@ -140,6 +143,8 @@ class Run:
     stop: StopRequest | None = None  # SIGTERM/SIGUSR1: checkpoint and stop (06b)
     flops_at: dict = field(default_factory=dict)  # training FLOPs per image at each resolution
     checkpoint_bytes: int = 0  # about the size of one checkpoint (`checkpoint_size`)
+    settings: LaunchSettings | None = None  # 08a's: global batch, learning rate and warmup, sizes of this launch
+    steps_per_epoch: int = 0  # optimizer steps of one process per epoch, on the prepared loader (section 6)
 
 
 @dataclass
@@ -297,21 +302,24 @@ def evaluate(model, criterion, val_loader, accelerator, num_classes: int, channe
     return metrics.compute()
 
 # %% ../notebooks/08b_production_script.ipynb #4a21dd37
-def load_data(args: argparse.Namespace, source: DataSource | None = None) -> tuple:
+def load_data(
+    args: argparse.Namespace, source: DataSource | None = None, settings: LaunchSettings | None = None
+) -> tuple:
     """Training and validation datasets of `--path_to_data` (07), each split read once; training samples seeded per
-    (seed, epoch, index). `source`: `--path_to_data` as `check_args` resolved it, so that a run resolves it once."""
-    crop, val_size = train_crop_size(args), args.val_img_size or args.img_size
+    (seed, epoch, index). `source`: `--path_to_data` as `check_args` resolved it, so that a run resolves it once;
+    `settings`: the launch's (08a), for the image sizes."""
+    settings = settings or launch_settings(args)
     # what the scan left out (hidden files, .tif...) is said once (07a)
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if is_main_process() else None
     try:
         train_ds, val_ds = build_datasets(
             source or args.path_to_data,
-            img_size=crop,
+            img_size=settings.train_crop,
             pipeline=args.data_pipeline,
             on_bad_file=args.on_bad_file,
             log=log,
             scale=(args.min_crop_scale, 1.0),
-            val_img_size=val_size,
+            val_img_size=settings.val_img_size,
         )  # evaluated at its own resolution (--val_img_size, 10)
     except (FileNotFoundError, NotADirectoryError) as err:  # no train/ or val/ folder
         raise MissingPathError(f"--path_to_data: {err}") from None
@@ -320,23 +328,32 @@ def load_data(args: argparse.Namespace, source: DataSource | None = None) -> tup
     return EpochSeededDataset(train_ds, seed=args.seed), val_ds
 
 # %% ../notebooks/08b_production_script.ipynb #66362890
-def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.SGD:
-    """SGD with momentum over 04's parameter groups; norm and bias decay default to --weight_decay (V1)."""
+def build_optimizer(
+    model: nn.Module, args: argparse.Namespace, settings: LaunchSettings | None = None
+) -> torch.optim.SGD:
+    """SGD with momentum over 04's parameter groups; norm and bias decay default to --weight_decay (V1). The learning
+    rate is the launch's (`settings`, 08a), else the flag's own."""
     groups = param_groups(model, args.weight_decay, args.norm_weight_decay, args.bias_weight_decay)  # None: = decay
-    return torch.optim.SGD(groups, lr=args.learning_rate, momentum=args.momentum)
+    lr = settings.learning_rate if settings else args.learning_rate
+    return torch.optim.SGD(groups, lr=lr, momentum=args.momentum)
 
 
 def build_training_scheduler(
-    optimizer: torch.optim.Optimizer, args: argparse.Namespace, steps_per_epoch: int
+    optimizer: torch.optim.Optimizer,
+    args: argparse.Namespace,
+    steps_per_epoch: int,
+    settings: LaunchSettings | None = None,
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """05's scheduler of `--lr_scheduler`, every epoch-valued flag converted to optimizer steps of one process
-    (section 6: `steps_per_epoch` counts those of the prepared loader); the warmup goes first, as in torchvision."""
+    (section 6: `steps_per_epoch` counts those of the prepared loader); the warmup goes first, as in torchvision. The
+    warmup is the launch's (`settings`, 08a), else the flag's own."""
+    warmup_epochs = settings.lr_warmup_epochs if settings else args.lr_warmup_epochs
     milestones = [round(m * steps_per_epoch) for m in args.lr_milestones] if args.lr_milestones else None
     return build_scheduler(
         optimizer,
         args.lr_scheduler,
         total_steps=steps_per_epoch * args.epochs,
-        warmup_steps=round(args.lr_warmup_epochs * steps_per_epoch),
+        warmup_steps=round(warmup_epochs * steps_per_epoch),
         warmup_start_factor=args.lr_warmup_start_factor,
         step_size=max(1, round(args.lr_step_size * steps_per_epoch)),
         gamma=args.step_lr_decay,
@@ -353,11 +370,14 @@ def setup_run(
     val_loader,
     num_classes: int,
     run_dir: str | os.PathLike,
+    settings: LaunchSettings | None = None,
 ) -> Run:
-    """Prepare model, optimizer and loaders with Accelerate, then the schedule, `--compile` and `--ema`."""
+    """Prepare model, optimizer and loaders with Accelerate, then the schedule, `--compile` and `--ema`. `settings`:
+    the launch's (08a's `launch_settings`; made here from the flags if not given)."""
+    settings = settings or launch_settings(args, accelerator.num_processes)
     if args.channels_last:  # NHWC weights, the layout tensor-core convolutions want (10)
         model = model.to(memory_format=torch.channels_last)
-    optimizer = build_optimizer(model, args)
+    optimizer = build_optimizer(model, args, settings)
     model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
     # The schedule in optimizer steps of one process: len(train_loader) is now this process's shard
     steps_per_epoch = num_optimizer_steps(len(train_loader), args.gradient_accumulation_steps, 1)
@@ -368,7 +388,7 @@ def setup_run(
         )
     try:
         scheduler = accelerator.prepare(
-            build_training_scheduler(optimizer, args, steps_per_epoch)
+            build_training_scheduler(optimizer, args, steps_per_epoch, settings)
         )  # saved by save_state
     except ValueError as err:  # e.g. a warmup that rounds to the whole run at this number of steps per epoch
         raise BadFlagError(
@@ -384,6 +404,7 @@ def setup_run(
         "model": args.model,
         "num_classes": num_classes,  # in every checkpoint.json: refuse another model's
         "model_signature": model_signature(accelerator.unwrap_model(model)),
+        "flags": {flag: getattr(args, flag) for flag in optimisation_flags()},  # what a resume may not change (08a)
     }
     device_name = torch.cuda.get_device_name(accelerator.device) if accelerator.device.type == "cuda" else None
     unknown_peak = mfu_unknown_note(device_name) if device_name and args.peak_tflops is None else None
@@ -405,55 +426,72 @@ def setup_run(
         checkpoint_meta=meta,
         peak_flops=peak_flops_for(device_name, args.peak_tflops),
         checkpoint_bytes=checkpoint_size(accelerator.unwrap_model(model), bool(args.momentum), ema),
+        settings=settings,
+        steps_per_epoch=steps_per_epoch,
     )
 
 
 def resume_run(run: Run) -> None:
     """`--resume_from_checkpoint`: 06a's `resume_state` restores the checkpoint (refusing another model's, or a
-    mid-epoch one of another layout); then the flags given now win over the saved optimizer (05's
+    mid-epoch one of another layout); a flag the checkpoint recorded that a resume cannot change is refused (08a's
+    `check_resume_flags`); then the flags given now win over the saved optimizer (`override_hyperparameters`, 05's
     `resume_with_flags`): --learning_rate, --momentum, the weight decays. An epoch-end checkpoint keeps its place
     in the schedule (epochs done / --epochs) under a new --batch_size, accumulation or number of processes."""
     args, accelerator, state = run.args, run.accelerator, run.state
     expect = {k: run.checkpoint_meta[k] for k in ("model", "num_classes", "model_signature")}
     layout = [accelerator.num_processes, args.batch_size, args.gradient_accumulation_steps]
-    if (
-        resume_state(
-            accelerator,
-            args.resume_from_checkpoint,
-            run.run_dir,
-            state,
-            expect,
-            layout,
-            accelerator.unwrap_model(run.model),
-            run.optimizer,
-        )
-        is None
-    ):  # tensors checked against these
+    path = resume_state(
+        accelerator,
+        args.resume_from_checkpoint,
+        run.run_dir,
+        state,
+        expect,
+        layout,
+        accelerator.unwrap_model(run.model),
+        run.optimizer,
+    )  # tensors checked against these
+    if path is None:
         return
-    schedule = run.scheduler.scheduler
-    steps_per_epoch = num_optimizer_steps(len(run.train_loader), args.gradient_accumulation_steps, 1)
+    recorded = json.loads((path / MANIFEST).read_text()).get("flags", {})  # none in an older script's checkpoint
+    check_resume_flags(recorded, args, path)
+    schedule, steps_per_epoch = run.scheduler.scheduler, run.steps_per_epoch
     position = state.epoch * steps_per_epoch if state.batches_done == 0 else schedule.last_epoch
-    wanted = build_optimizer(accelerator.unwrap_model(run.model), args).param_groups  # same groups, same order
-    if resume_with_flags(run.optimizer, schedule, wanted, position):
+    wanted = build_optimizer(accelerator.unwrap_model(run.model), args, run.settings).param_groups  # same groups
+    changed = override_hyperparameters(run.optimizer, wanted)
+    if resume_with_flags(run.optimizer, schedule, wanted, position) or changed:
         accelerator.print(
             f"resumed with the flags given now: lr {run.optimizer.param_groups[0]['lr']:.4g} at step "
             f"{position} of {steps_per_epoch * args.epochs} of the schedule",
             flush=True,
         )
 
+
+def override_hyperparameters(optimizer: torch.optim.Optimizer, wanted_groups: list[dict]) -> bool:
+    """Every hyperparameter of `wanted_groups` (the groups the flags given now build) on the restored `optimizer`,
+    but the learning rate, which 05's `resume_with_flags` sets with the schedule: whatever key a resumable flag
+    sets reaches the resumed run. Returns whether anything changed."""
+    changed = False
+    for group, want in zip(optimizer.param_groups, wanted_groups, strict=True):
+        for key, value in want.items():
+            if key not in ("params", "lr", "initial_lr") and group.get(key) != value:
+                group[key], changed = value, True
+    return changed
+
 # %% ../notebooks/08b_production_script.ipynb #77c5c56f
 def open_outputs(run: Run, num_train: int, num_val: int) -> MetricsLogger:
     """Write `config.json`, cut `metrics.jsonl` back to the resumed epoch, start the trackers; say what runs."""
     args, accelerator, state, run_dir = run.args, run.accelerator, run.state, run.run_dir
-    global_batch = global_batch_size(args.batch_size, args.gradient_accumulation_steps, accelerator.num_processes)
+    settings = run.settings
+    global_batch = settings.global_batch
     config = {
         **vars(args),
+        **settings.as_flags(),  # the learning rate and warmup of this launch, and the rule that gave them
         "run_id": state.wandb_run_id,
         "num_classes": run.num_classes,
         "num_processes": accelerator.num_processes,
         "global_batch_size": global_batch,
         "mixed_precision": accelerator.mixed_precision,  # what runs, whatever was asked (06)
-        "optimizer_steps_per_epoch": num_optimizer_steps(len(run.train_loader), args.gradient_accumulation_steps, 1),
+        "optimizer_steps_per_epoch": run.steps_per_epoch,
     }
     if accelerator.is_main_process:  # 06b: flags changed on a resume are recorded with the step
         write_run_config(run_dir, config, state.global_step, WATCHED_FLAGS)
@@ -468,7 +506,7 @@ def open_outputs(run: Run, num_train: int, num_val: int) -> MetricsLogger:
         f"{args.model} on {shown_path(args.path_to_data)}: {num_train} train / {num_val} val images, "
         f"{run.num_classes} classes; {accelerator.num_processes} process(es) on "
         f"{accelerator.device.type}, global batch {global_batch} = {args.batch_size} x "
-        f"{args.gradient_accumulation_steps} x {accelerator.num_processes}; {args.lr_rule}",
+        f"{args.gradient_accumulation_steps} x {accelerator.num_processes}; {settings.lr_rule}",
         flush=True,
     )
     return MetricsLogger(run_dir / "metrics.jsonl", accelerator)
@@ -603,9 +641,7 @@ def finish_run(run: Run, rows: list[dict], stopped: bool, seconds: float) -> dic
         "num_processes": accelerator.num_processes,
         "wandb_run_id": state.wandb_run_id,
         "run_dir": str(run_dir),
-        "global_batch_size": global_batch_size(
-            args.batch_size, args.gradient_accumulation_steps, accelerator.num_processes
-        ),
+        "global_batch_size": run.settings.global_batch,
         "train_time_s": seconds,
         "exit_status": run.stop.exit_status if run.stop and run.stop.stopped else 0,
     }
@@ -625,7 +661,7 @@ def train(args: argparse.Namespace) -> dict:
     from accelerate.utils import set_seed
 
     follow_launcher()  # started by `accelerate launch`: a SIGTERM when that launcher is gone (06c)
-    run_dir = Path(args.working_directory) / args.experiment_name
+    run_dir = run_folder(args)
     new_folder = not run_dir.exists()
     accelerator = build_accelerator(
         args.cpu,
@@ -634,8 +670,8 @@ def train(args: argparse.Namespace) -> dict:
         [t for t in args.log_with if t != "none"] or None,
         run_dir,
     )
-    args = resolve_learning_rate(args, accelerator.num_processes)  # the LR of this global batch (05, 08a)
-    source = check_args(args)  # every rule between flags, and the paths: before any data is read (08a)
+    settings = launch_settings(args, accelerator.num_processes)  # global batch, its LR and warmup, sizes (05, 08a)
+    source = check_args(args, settings)  # every rule between flags, and the paths: before any data is read (08a)
     explicit = args.resume_from_checkpoint not in (None, "", "latest")  # a checkpoint folder: it continues its own run
     lock = claim_run_folder(
         run_dir,
@@ -646,7 +682,7 @@ def train(args: argparse.Namespace) -> dict:
     )  # one run per folder (06b)
     try:
         set_seed(args.seed)  # same initial weights on every process (DDP also broadcasts rank 0's)
-        train_ds, val_ds = load_data(args, source)  # --path_to_data resolved once, each split read once
+        train_ds, val_ds = load_data(args, source, settings)  # --path_to_data resolved once, each split read once
         num_classes = len(train_ds.classes)
         if args.num_classes is not None and args.num_classes != num_classes:
             raise BadFlagError(
@@ -671,6 +707,7 @@ def train(args: argparse.Namespace) -> dict:
             val_loader,
             num_classes,
             run_dir,
+            settings,
         )
         check_free_space(run_dir, run.checkpoint_bytes, accelerator)  # 06b: now, not at the first save an epoch later
         resume_run(run)
@@ -729,7 +766,7 @@ def run_command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as err:  # a second Ctrl-C (06b's StopAtOnce), or Ctrl-C outside the training loop
         if is_main_process():
             if isinstance(err, StopAtOnce):
-                last = latest_checkpoint(Path(args.working_directory) / args.experiment_name)
+                last = latest_checkpoint(run_folder(args))
                 line = (
                     f"stopped at once by a second Ctrl-C, without a checkpoint; the last one is {last or 'none'}: "
                     "resume with --resume_from_checkpoint latest"
