@@ -19,8 +19,8 @@ from PIL import Image
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'val_resize_size', 'classic_transforms', 'pipeline_stage_times', 'jpeg_size',
-           'pil_to_uint8', 'jpeg_decoder', 'decode_fast', 'exif_orientation', 'as_stored', 'CropParams', 'sample_crop',
+__all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'val_resize_size', 'classic_transforms', 'jpeg_decoder', 'pipeline_stage_times',
+           'jpeg_size', 'pil_to_uint8', 'decode_fast', 'exif_orientation', 'as_stored', 'CropParams', 'sample_crop',
            'center_crop_params', 'largest_dct_reduction', 'resized_crop_uint8', 'FastTrainTransform',
            'FastValTransform', 'imagenet_mean_std_255', 'normalize_on_device', 'Presizer', 'progressive_resolution',
            'resize_batch']
@@ -45,6 +45,28 @@ def classic_transforms(img_size: int = 224, scale: tuple[float, float] = (0.08, 
     return train, val
 
 # %% ../notebooks/07_data_pipeline.ipynb #222b9751
+@functools.cache
+def jpeg_decoder() -> Callable[..., Tensor | list[Tensor]]:
+    """`decode(data or [data, ...], device="cpu")`: JPEG bytes → RGB `uint8` (3, H, W), TorchCodec's `decode_jpeg`.
+
+    Where TorchCodec cannot be imported (not installed, or no release built for this torch), torchvision's
+    deprecated `decode_jpeg`, the same libjpeg-turbo decoder, said once on stderr (07 §5)."""
+    try:
+        from torchcodec.decoders import decode_jpeg
+
+        return functools.partial(decode_jpeg, mode="RGB")
+    except (ImportError, OSError, RuntimeError) as err:
+        why = "is not installed" if isinstance(err, ModuleNotFoundError) else f"cannot be loaded ({type(err).__name__})"
+        print(
+            f"TorchCodec {why}: JPEGs are decoded with torchvision.io.decode_jpeg, deprecated since torchvision 0.29 "
+            "(pip install torchcodec)",
+            file=sys.stderr,
+        )
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        return functools.partial(decode_jpeg, mode=ImageReadMode.RGB)
+
+
 def pipeline_stage_times(files: Sequence[str | os.PathLike], img_size: int = 224, repeats: int = 3) -> dict[str, float]:
     """CPU milliseconds per image of each stage of the classic and of a uint8 training pipeline (07 §4).
 
@@ -119,28 +141,6 @@ def pil_to_uint8(im: Image.Image) -> Tensor:
     """PIL image → RGB `uint8` (3, H, W) tensor, a view of its height × width × channels pixels (what resize is
     fastest on)."""
     return torch.from_numpy(np.array(im if im.mode == "RGB" else im.convert("RGB"))).permute(2, 0, 1)
-
-
-@functools.cache
-def jpeg_decoder() -> Callable[..., Tensor | list[Tensor]]:
-    """`decode(data or [data, ...], device="cpu")`: JPEG bytes → RGB `uint8` (3, H, W), TorchCodec's `decode_jpeg`.
-
-    Where TorchCodec cannot be imported (not installed, or no release built for this torch), torchvision's
-    deprecated `decode_jpeg`, the same libjpeg-turbo decoder, said once on stderr (07 §5)."""
-    try:
-        from torchcodec.decoders import decode_jpeg
-
-        return functools.partial(decode_jpeg, mode="RGB")
-    except (ImportError, OSError, RuntimeError) as err:
-        why = "is not installed" if isinstance(err, ModuleNotFoundError) else f"cannot be loaded ({type(err).__name__})"
-        print(
-            f"TorchCodec {why}: JPEGs are decoded with torchvision.io.decode_jpeg, deprecated since torchvision 0.29 "
-            "(pip install torchcodec)",
-            file=sys.stderr,
-        )
-        from torchvision.io import ImageReadMode, decode_jpeg
-
-        return functools.partial(decode_jpeg, mode=ImageReadMode.RGB)
 
 
 def decode_fast(data: Tensor, path: str | os.PathLike = "<bytes>", reduce: int = 1) -> Tensor:
