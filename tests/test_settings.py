@@ -159,3 +159,30 @@ def test_a_new_optimizer_flag_declared_resumable_reaches_the_resumed_optimizer(m
     assert override_hyperparameters(resumed, sgd(now).param_groups)
     assert all(g["nesterov"] is True and g["momentum"] == 0.8 for g in resumed.param_groups), "the flag is honoured"
     assert not override_hyperparameters(resumed, sgd(now).param_groups), "nothing left to change"
+
+
+@pytest.mark.slow
+def test_a_real_resume_that_changes_zero_init_residual_is_refused_and_one_that_changes_momentum_trains_with_it(
+    tmp_path, capsys
+):
+    import json
+
+    from train_helpers import TINY
+
+    from tutorial_lib.checkpoints import MANIFEST, latest_checkpoint
+    from tutorial_lib.train import train
+
+    def run(**flags):
+        options = {**TINY, "model": "resnet18", "batch_size": 16, "epochs": 1, "working_directory": str(tmp_path)}
+        return train(default_args(**{**options, "experiment_name": "resumed", **flags}))
+
+    run(stop_after_steps=2)  # a checkpoint at step 2 of 5
+    checkpoint = latest_checkpoint(tmp_path / "resumed")
+    assert json.loads((checkpoint / MANIFEST).read_text())["flags"]["zero_init_residual"] is False
+    with pytest.raises(BadFlagError, match=r"^--zero_init_residual is True here but False in .*step_000000002"):
+        run(resume_from_checkpoint="latest", zero_init_residual=True)
+    assert latest_checkpoint(tmp_path / "resumed") == checkpoint, "nothing trained after the refusal"
+    capsys.readouterr()
+    final = run(resume_from_checkpoint="latest", momentum=0.5)
+    assert final["finished"] and final["optimizer_steps"] == 5
+    assert "resumed with the flags given now: lr 0.05 at step 2 of 5 of the schedule" in capsys.readouterr().out

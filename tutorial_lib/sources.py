@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -24,8 +25,8 @@ from .core import MissingPathError, UserError, in_notebook
 __all__ = ['IMG_EXTENSIONS', 'VAL_DIR_NAMES', 'SPLIT_ALIASES', 'OFFICIAL_ARCHIVES', 'DataLayoutError', 'embedded_data_path',
            'folder_listing', 'find_split_dirs', 'is_image_name', 'ScanReport', 'scan_image_folder', 'list_images',
            'make_tree', 'make_flat_val', 'DataSourceError', 'DataSource', 'require_datasets', 'resolve_data_source',
-           'UnreadableImageError', 'error_reason', 'unreadable_image', 'read_bytes', 'PathSamples', 'FolderReader',
-           'open_readers', 'RecordReader', 'load_record_readers']
+           'UnreadableImageError', 'error_reason', 'unreadable_image', 'read_bytes', 'Reader', 'PathSamples',
+           'FolderReader', 'open_readers', 'RecordReader', 'load_record_readers']
 
 # %% ../notebooks/07a_imagenet_sources.ipynb #16adf964
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
@@ -411,6 +412,29 @@ def read_bytes(path: str | os.PathLike) -> Tensor:
         raise unreadable_image(path, err) from err
 
 # %% ../notebooks/07a_imagenet_sources.ipynb #aa3d61a1
+@runtime_checkable
+class Reader(Protocol):
+    """One split of a data source, as 07d's datasets read it: `FolderReader` (class folders) and `RecordReader` (🤗
+    records) both are one; `isinstance(r, Reader)` checks that `r` has all nine members."""
+
+    root: str  # the split's folder, or the name of its records
+    classes: list[str]  # sorted class names: a label is a position in this list
+    samples: Sequence  # item i is (path or row, label)
+    targets: np.ndarray  # the labels, int64, one per sample
+    left_out: ScanReport  # what the scan left out (nothing, for records)
+    advice: str | None  # what to do with a sample that cannot be decoded; None: the decoder's own advice
+
+    def __len__(self) -> int: ...
+
+    def name(self, index: int) -> str:
+        """How errors and reports name sample `index`."""
+        ...
+
+    def read(self, index: int) -> tuple[Tensor, str]:
+        """The encoded bytes of sample `index` and its name; `UnreadableImageError` if they cannot be read."""
+        ...
+
+
 class PathSamples:
     """`samples` of a `FolderReader`: item i is `(path_i, class_i)`, as a list of tuples would give it, but held in
     three NumPy arrays (every path's bytes end to end, where each one starts, the classes) instead of 2 Python
@@ -449,9 +473,8 @@ class PathSamples:
 
 
 class FolderReader:
-    """The samples of one split folder `<class>/<image>`, scanned once: sample i is the i-th file, read as bytes.
-
-    What the datasets of 07d read a folder through (`read`, `name`, `classes`, `samples`, `targets`, `left_out`)."""
+    """The samples of one split folder `<class>/<image>`, scanned once: sample i is the i-th file, read as bytes. A
+    `Reader`: what the datasets of 07d read a folder through."""
 
     advice = None  # a file that cannot be decoded: the decoder's own advice (delete or replace the file)
 
@@ -474,7 +497,7 @@ class FolderReader:
         return read_bytes(path), path
 
 
-def open_readers(source: DataSource, cache_dir: str | None = None) -> tuple:
+def open_readers(source: DataSource, cache_dir: str | None = None) -> tuple[Reader, Reader]:
     """The train and validation readers of a resolved source, each split scanned or loaded once; their class lists
     must be the same list, since labels are positions in it (07a §3)."""
     if source.kind != "folders":  # parquet shards, save_to_disk, the Hub
@@ -529,7 +552,7 @@ class RecordReader:
     """The samples of one split stored as the records of a 🤗 `datasets.Dataset` (parquet shards, `save_to_disk`, the
     Hub): sample i is row i, its image column read undecoded, as bytes, never from a path it names (07a §3).
 
-    The interface of `FolderReader`; a record is named by its image's name, its file and its row there."""
+    A `Reader`, as `FolderReader` is; a record is named by its image's name, its file and its row there."""
 
     advice = "replace that file with an intact copy"  # a record that cannot be decoded: its file (a shard) is damaged
 
