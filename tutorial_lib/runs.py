@@ -11,6 +11,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -343,11 +344,13 @@ class StopRequest:
     (a terminal sends it to every process of its foreground group, and a launcher there passes it on again). A
     forked child (a data loader worker) that inherited the handler ignores the signals: the process that entered
     decides. Use it as a context manager: the previous handlers are back at exit, and `StopRequest.closed_in` names
-    the process whose training is over. `exit_status` is what a process killed by the signal would return (128 + its
+    the process whose training is over; from then on its signals no longer kill it while Python shuts down
+    (`_ignore_signals_at_shutdown`). `exit_status` is what a process killed by the signal would return (128 + its
     number: 143 SIGTERM, 138 SIGUSR1, 130 SIGINT), so a scheduler still sees a terminated job, with its checkpoint
     saved."""
 
     closed_in: int | None = None  # the process whose last StopRequest has closed
+    closed_signals: tuple[str, ...] = ()  # and the signals it handled
 
     def __init__(
         self,
@@ -372,10 +375,11 @@ class StopRequest:
         return self
 
     def __exit__(self, *exc) -> None:
+        StopRequest.closed_in = os.getpid()  # first: a command line's handler of signals that come after reads it (08b)
+        StopRequest.closed_signals = self.signals
         for name, handler in self._previous.items():
             signal.signal(getattr(signal, name), handler)
         self._previous = {}
-        StopRequest.closed_in = os.getpid()  # for a command line's handler of signals that come after (08b)
 
     def _handle(self, signum, frame) -> None:
         if os.getpid() != self._owner:  # a forked data loader worker: its parent process decides
@@ -424,3 +428,18 @@ class StopRequest:
             f" ({self.received or 'a signal to another process'}): checkpoint saved, "
             "resume with --resume_from_checkpoint latest"
         )
+
+
+def _ignore_signals_at_shutdown() -> None:
+    """At exit of a process whose training is over: ignore the signals of its `StopRequest` where Python handles
+    them. Python puts the default handlers back while it shuts down, and freeing torch takes a few hundred ms, so a
+    SIGTERM then would kill a process whose status is decided (a complete run's 0, a stopped run's 143)."""
+    if StopRequest.closed_in != os.getpid() or threading.current_thread() is not threading.main_thread():
+        return
+    for name in StopRequest.closed_signals:
+        if hasattr(signal, name) and callable(signal.getsignal(getattr(signal, name))):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
+# At exit Python runs its exit handlers and finalizers newest first: one made at import runs after those made since
+weakref.finalize(StopRequest, _ignore_signals_at_shutdown)
