@@ -4,18 +4,68 @@
 07b §2); `prepare-val --out` on another file system moves so that a kill leaves the original or a complete copy
 (07b §1); a SIGTERM while a finished or stopped run exits leaves it its own status (06b, 08b)."""
 
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from train_helpers import CASE_RUN
 
+from tutorial_lib import data as data_tools
 from tutorial_lib.cli import as_flags
+from tutorial_lib.data import write_shards
 from tutorial_lib.launching import EXIT_STATUS_ENV, read_exit_status
 from tutorial_lib.processes import child_env, make_image_folder
+from tutorial_lib.sources import scan_image_folder
+
+# --- item 5: shard run again after its source changed --------------------------------------------------------
+
+SHARD_MB = 0.004  # 4 kB: about six 16-px JPEGs per shard, so one change touches a few shards of many
+
+
+def shard_rows(out: Path, split: str) -> list[tuple[str, int, bytes]]:
+    """(path under the split folder, label, stored bytes) of every row of `split`'s shards, in order."""
+    tables = [pq.read_table(p).to_pylist() for p in sorted((out / "data").glob(f"{split}-*.parquet"))]
+    return [(r["image"]["path"], r["label"], r["image"]["bytes"]) for rows in tables for r in rows]
+
+
+def source_rows(split_dir: Path) -> list[tuple[str, int, bytes]]:
+    _, samples = scan_image_folder(split_dir)
+    return [(os.path.relpath(p, split_dir), y, Path(p).read_bytes()) for p, y in samples]
+
+
+def test_shard_run_again_after_its_source_changed_holds_exactly_the_source_and_keeps_the_rest(tmp_path, monkeypatch):
+    """A damaged image replaced and an image moved to its right class: the rerun rebuilds the shards whose images or
+    labels changed and says so, keeps the others, and the shards hold the source as it is now (before: the shards
+    with the old row counts were kept, an image went missing, another appeared twice, 'written' said nothing).
+    A rerun over an unchanged source reads no image."""
+    src = make_image_folder(tmp_path / "src", classes=4, train_per_class=8, val_per_class=2)
+    out = tmp_path / "shards"
+    first = write_shards(src, out, shard_mb=SHARD_MB, log=lambda line: None)
+    assert first["shards"] >= 6, first
+    written = {p.name: p.stat().st_mtime_ns for p in (out / "data").glob("*.parquet")}
+    train = src / "train"
+    (train / "class_03" / "0007.jpg").write_bytes((train / "class_03" / "0006.jpg").read_bytes())  # replaced
+    (train / "class_00" / "0003.jpg").rename(train / "class_01" / "0003_moved.jpg")  # to its right class
+    lines = []
+    again = write_shards(src, out, shard_mb=SHARD_MB, log=lines.append)
+    for split, folder in (("train", train), ("validation", src / "val")):
+        assert shard_rows(out, split) == source_rows(folder), f"the {split} shards do not hold the source as it is now"
+    assert again["shards"] == first["shards"] and 1 <= again["rebuilt"] == again["written"] < again["shards"], again
+    assert f"{again['rebuilt']} out of date (their images or labels changed since: rebuilt)" in lines[-1], lines
+    kept = [p for p in (out / "data").glob("*.parquet") if p.stat().st_mtime_ns == written[p.name]]
+    assert len(kept) == again["shards"] - again["written"] and any(p.name.startswith("validation") for p in kept)
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("an unchanged source was read again")
+
+    monkeypatch.setattr(data_tools, "shard_table", no_reading)
+    assert write_shards(src, out, shard_mb=SHARD_MB, log=lambda line: None)["written"] == 0
+
 
 # --- item 13: a SIGTERM while the process exits ----------------------------------------------------------------
 

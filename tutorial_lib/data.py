@@ -49,9 +49,9 @@ from tutorial_lib.sources import (
 from .transforms import Presizer
 
 # %% auto #0
-__all__ = ['SHARD_MB', 'PRESIZE_KEY', 'PRESIZED_KEY', 'ILSVRC2012_COUNTS', 'read_val_mapping', 'prepare_val', 'hub_features',
-           'plan_shards', 'shard_table', 'write_shards', 'Devkit', 'read_devkit', 'verify_unpacked', 'from_archives',
-           'get_args_parser', 'run_command', 'main']
+__all__ = ['SHARD_MB', 'PRESIZE_KEY', 'PRESIZED_KEY', 'SOURCE_KEY', 'ILSVRC2012_COUNTS', 'read_val_mapping', 'prepare_val',
+           'hub_features', 'plan_shards', 'shard_table', 'write_shards', 'Devkit', 'read_devkit', 'verify_unpacked',
+           'from_archives', 'get_args_parser', 'run_command', 'main']
 
 # %% ../notebooks/07b_preparing_imagenet.ipynb #b4c96ac6
 _MAPPING_FORMS = (
@@ -325,6 +325,7 @@ def prepare_val(
 # %% ../notebooks/07b_preparing_imagenet.ipynb #7e9b002e
 SHARD_MB = 384  # default shard size: a few hundred files for ImageNet's ~150 GB
 PRESIZE_KEY, PRESIZED_KEY = "tutorial_lib.presize", "tutorial_lib.presized"  # footer keys: settings, counts
+SOURCE_KEY = "tutorial_lib.source"  # footer key: what the shard was built from (`_source_record`)
 
 
 def _check_free_space(folder: Path, needed: int, what: str) -> None:
@@ -370,18 +371,32 @@ def shard_table(samples: Sequence[tuple[str, int]], split_dir: Path, schema, pre
     return pa.Table.from_pydict({"image": images, "label": [y for _, y in samples]}, schema=schema)
 
 
-def _complete_shard(path: Path, rows: int, schema) -> bool:
-    """Whether `path` holds `rows` rows written with `schema` (pre-sizing settings included, its counts aside)."""
+def _source_record(samples: Sequence[tuple[str, int]], stats: Sequence[os.stat_result], split_dir: Path) -> str:
+    """What a shard is built from, as one hash: each image's path under the split folder, size, modification time
+    and label. Made from `os.stat` alone, so a rerun over an unchanged source reads no image; a file replaced, moved
+    to another class, added or removed changes it (so does a copy of the source that did not keep the times)."""
+    digest = hashlib.sha256()
+    for (path, label), stat in zip(samples, stats):
+        digest.update(json.dumps([os.path.relpath(path, split_dir), stat.st_size, stat.st_mtime_ns, label]).encode())
+    return digest.hexdigest()
+
+
+def _shard_state(path: Path, rows: int, schema, source: str) -> str:
+    """The shard at `path` is "complete" if it holds `rows` rows written with `schema` (pre-sizing settings included,
+    its counts aside) from `source` (`_source_record`), "changed" if it is a readable shard of something else (an
+    earlier state of the source, other settings), "missing" if it is absent or damaged."""
     import pyarrow.parquet as pq
 
     if not path.is_file():
-        return False
+        return "missing"
     try:
-        found = pq.read_schema(path)
-        metadata = {k: v for k, v in (found.metadata or {}).items() if k != PRESIZED_KEY.encode()}
-        return pq.read_metadata(path).num_rows == rows and found.with_metadata(metadata).equals(schema, True)
+        found, footer = pq.read_schema(path), pq.read_metadata(path)
+        ours = (PRESIZED_KEY.encode(), SOURCE_KEY.encode())  # compared apart from the schema
+        metadata = {k: v for k, v in (found.metadata or {}).items() if k not in ours}
+        same = footer.num_rows == rows and found.with_metadata(metadata).equals(schema, True)
     except (OSError, ValueError):  # a damaged file (pyarrow.ArrowInvalid is a ValueError)
-        return False
+        return "missing"
+    return "complete" if same and (footer.metadata or {}).get(SOURCE_KEY.encode()) == source.encode() else "changed"
 
 
 def write_shards(
@@ -398,7 +413,10 @@ def write_shards(
 
     `out_dir/data/{train,validation}-KKKKK-of-NNNNN.parquet`, rows in `scan_image_folder` order (row i
     is sample i of the folders), JPEG bytes unchanged (with `max_side`: `Presizer`'s, §2.1), class names in the
-    schema. Resumable: complete shards are kept, others are written under a temporary name and renamed."""
+    schema. Rerun after anything: each shard records what it was built from (`_source_record`: paths, sizes,
+    modification times and labels; no image is read to compare), a shard that holds exactly what the source has now
+    is kept, the others (missing, interrupted, or out of date after a change of the source) are written under a
+    temporary name and renamed."""
     import pyarrow.parquet as pq
 
     require_datasets("writing shards")
@@ -418,33 +436,40 @@ def write_shards(
     schema = hub_features(classes).arrow_schema
     schema = schema.with_metadata({**schema.metadata, PRESIZE_KEY: json.dumps(settings)}) if settings else schema
     out = Path(out_dir).expanduser() / "data"
-    plans = []  # (split, split folder, samples, sizes, (start, stop), file name)
+    plans = []  # (split, split folder, samples, sizes, (start, stop), file name, source record)
     for split, split_dir, samples in (("train", train_dir, train), ("validation", val_dir, val)):
-        sizes = [os.path.getsize(p) for p, _ in samples]
+        stats = [os.stat(p) for p, _ in samples]
+        sizes = [s.st_size for s in stats]
         ranges = plan_shards(sizes, shard_mb * 1e6)
         plans += [
-            (split, split_dir, samples, sizes, r, f"{split}-{k:05d}-of-{len(ranges):05d}.parquet")
-            for k, r in enumerate(ranges)
+            (split, split_dir, samples, sizes, (a, b), f"{split}-{k:05d}-of-{len(ranges):05d}.parquet", record)
+            for k, (a, b) in enumerate(ranges)
+            for record in [_source_record(samples[a:b], stats[a:b], split_dir)]
         ]
     shards = {p.name for p in out.glob("*.parquet") if not p.name.startswith(".")} if out.is_dir() else set()
-    stale = shards - {plan[-1] for plan in plans}
+    stale = shards - {plan[5] for plan in plans}
     if stale:
         raise DataLayoutError(
-            f"{out} holds shards of another run ({_examples(stale, 2)}): delete them or choose another output folder"
+            f"{out} holds shards of another run, or of this source before it changed its number of shards "
+            f"({_examples(stale, 2)}): delete them or choose another output folder"
         )
-    todo = [plan for plan in plans if not _complete_shard(out / plan[-1], plan[4][1] - plan[4][0], schema)]
-    needed = sum(sum(sizes[a:b]) for _, _, _, sizes, (a, b), _ in todo)
+    states = [_shard_state(out / name, b - a, schema, record) for *_, (a, b), name, record in plans]
+    todo = [plan for plan, state in zip(plans, states) if state != "complete"]
+    changed = states.count("changed")  # shards of an earlier state of the source (or of other settings): rebuilt
+    needed = sum(sum(sizes[a:b]) for _, _, _, sizes, (a, b), *_ in todo)
     log(
         f"{shown_path(root)}: {len(train)} train + {len(val)} val images, {len(classes)} classes → "
         f"{len(plans)} shards of about "
-        f"{shard_mb:g} MB in {out}; {len(plans) - len(todo)} already complete, {format_size(needed)} to write"
+        f"{shard_mb:g} MB in {out}; {len(plans) - len(todo)} already complete, "
+        + (f"{changed} out of date (their images or labels changed since: rebuilt), " if changed else "")
+        + f"{format_size(needed)} to write"
     )
     _check_free_space(out, needed, "writing the shards")
     out.mkdir(parents=True, exist_ok=True)
     for leftover in out.glob(".tmp-*"):  # a shard an interrupted run was writing
         leftover.unlink()
     progress, presized = Progress(needed, "shard", unit="B", interval=progress_interval, summary=True), Counter()
-    for _split, split_dir, samples, sizes, (start, stop), name in todo:
+    for _split, split_dir, samples, sizes, (start, stop), name, record in todo:
         tmp, presize = out / f".tmp-{name}", Presizer(**settings, decode=decode_rgb) if settings else None
         with pq.ParquetWriter(tmp, schema, compression="none", use_dictionary=False) as writer:
             for first in range(start, stop, rows_per_group):
@@ -454,10 +479,11 @@ def write_shards(
             if presize:  # this shard's own counts: resized, kept, unreadable (kept as they were)
                 writer.add_key_value_metadata({PRESIZED_KEY: json.dumps(presize.counts)})
                 presized.update(presize.counts)
+            writer.add_key_value_metadata({SOURCE_KEY: record})  # what it holds, for the next run to compare
         os.replace(tmp, out / name)  # complete: appears under its final name
     progress.close()
     counts = {
-        split: sum(pq.read_metadata(out / name).num_rows for s, *_, name in plans if s == split)
+        split: sum(pq.read_metadata(out / name).num_rows for s, *_, name, _ in plans if s == split)
         for split in ("train", "validation")
     }
     if counts != {"train": len(train), "validation": len(val)}:
@@ -466,6 +492,7 @@ def write_shards(
             "delete them and run again"
         )
     done = {**counts, "classes": len(classes), "shards": len(plans), "written": len(todo), "out": str(out)}
+    done |= {"rebuilt": changed} if changed else {}  # of `written`: shards out of date, rewritten
     return {**done, **({"presized": {**settings, **presized}} if settings else {})}
 
 # %% ../notebooks/07b_preparing_imagenet.ipynb #deac18a0
