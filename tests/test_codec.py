@@ -230,20 +230,21 @@ def test_a_training_run_never_calls_torchvisions_deprecated_decoders(tmp_path, m
 
 
 def test_presizing_a_16_bit_grey_png_keeps_its_mean(tmp_path):
-    """issue 41, item 4: the pre-sizer decoded with `decode_fast`, whose PIL conversion clips 16-bit grey to white
-    (mean 254 instead of 127.5). Given training's decoder (`decode_rgb`, as `shard --max_side` now passes), the
-    shrunk JPEG keeps the original's mean: measured within 0.002 levels (Lanczos and JPEG on a smooth ramp);
-    0.5 levels allowed."""
+    """issue 41, item 4: the pre-sizer decoded with `decode_fast`, whose PIL conversion clipped 16-bit grey to white
+    (mean 254 instead of 127.5). Now `pil_to_uint8` scales it as training's decoder (`decode_rgb`) does, and the
+    shrunk JPEG keeps the original's mean, with either decoder: measured within 0.002 levels (Lanczos and JPEG on a
+    smooth ramp); 0.5 levels allowed."""
     ramp = np.linspace(0, 65535, 600)[None, :].repeat(400, 0).astype(np.uint16)
     out = io.BytesIO()
     Image.fromarray(ramp).save(out, "PNG")
     png = out.getvalue()
     assert Image.open(io.BytesIO(png)).mode == "I;16"
     original = decode_rgb(as_tensor(png)).float().mean().item()
-    presize = Presizer(100, decode=decode_rgb)
-    small = decode_rgb(as_tensor(presize(png)))
-    assert presize.counts["resized"] == 1 and max(small.shape[-2:]) == 100
-    assert abs(small.float().mean().item() - original) < 0.5, (small.float().mean().item(), original)
+    assert torch.equal(decode_fast(as_tensor(png)), decode_rgb(as_tensor(png)))
+    for presize in (Presizer(100), Presizer(100, decode=decode_rgb)):
+        small = decode_rgb(as_tensor(presize(png)))
+        assert presize.counts["resized"] == 1 and max(small.shape[-2:]) == 100
+        assert abs(small.float().mean().item() - original) < 0.5, (small.float().mean().item(), original)
 
 
 def test_shard_max_side_stores_a_16_bit_grey_png_with_its_mean(tmp_path):

@@ -32,7 +32,6 @@ from tutorial_lib.cli import (
     user_path,
 )
 from .core import MissingPathError, UserError, in_notebook
-from .decoding import decode_rgb  # 07c: what training decodes with (16-bit greyscale scaled)
 from tutorial_lib.sources import (
     IMG_EXTENSIONS,
     OFFICIAL_ARCHIVES,
@@ -470,7 +469,7 @@ def write_shards(
         leftover.unlink()
     progress, presized = Progress(needed, "shard", unit="B", interval=progress_interval, summary=True), Counter()
     for _split, split_dir, samples, sizes, (start, stop), name, record in todo:
-        tmp, presize = out / f".tmp-{name}", Presizer(**settings, decode=decode_rgb) if settings else None
+        tmp, presize = out / f".tmp-{name}", Presizer(**settings) if settings else None
         with pq.ParquetWriter(tmp, schema, compression="none", use_dictionary=False) as writer:
             for first in range(start, stop, rows_per_group):
                 last = min(first + rows_per_group, stop)

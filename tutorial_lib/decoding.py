@@ -54,11 +54,10 @@ _DECODE_ERRORS = (RuntimeError, OSError, ValueError, SyntaxError, Image.Decompre
 
 # %% ../notebooks/07c_bad_files.ipynb #5875f969
 def _rgb8(im: Image.Image) -> Image.Image:
-    """An 8-bit RGB copy of a PIL image. 16-bit greyscale (`I;16`) is scaled 0…65535 → 0…255, where PIL's
-    own `convert("RGB")` would clip every value above 255 to white."""
+    """An 8-bit RGB copy of a PIL image. 16-bit greyscale (`I;16`) is scaled 0…65535 → 0…255 by 07's
+    `pil_to_uint8`, where PIL's own `convert("RGB")` would clip every value above 255 to white."""
     if im.mode == "I" or im.mode.startswith("I;16"):
-        grey = np.asarray(im).astype(np.int64).clip(0, 65535)
-        return Image.fromarray(((grey * 255 + 32767) // 65535).astype(np.uint8)).convert("RGB")
+        return Image.fromarray(pil_to_uint8(im).permute(1, 2, 0).numpy())
     return im.convert("RGB")
 
 

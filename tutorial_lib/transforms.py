@@ -139,7 +139,11 @@ def jpeg_size(data: Tensor | bytes) -> tuple[int, int] | None:
 # %% ../notebooks/07_data_pipeline.ipynb #f08f06a4
 def pil_to_uint8(im: Image.Image) -> Tensor:
     """PIL image → RGB `uint8` (3, H, W) tensor, a view of its height × width × channels pixels (what resize is
-    fastest on)."""
+    fastest on). 16-bit greyscale (`I;16`) is scaled 0…65535 → 0…255, where PIL's own `convert("RGB")` would clip
+    every value above 255 to white ([07c §2](07c_bad_files.ipynb#2.-Colour-spaces,-formats-and-depths))."""
+    if im.mode == "I" or im.mode.startswith("I;16"):
+        grey = np.asarray(im).astype(np.int64).clip(0, 65535)
+        im = Image.fromarray(((grey * 255 + 32767) // 65535).astype(np.uint8))
     return torch.from_numpy(np.array(im if im.mode == "RGB" else im.convert("RGB"))).permute(2, 0, 1)
 
 
@@ -404,8 +408,7 @@ class Presizer:
     decoded as training decodes it, shrunk so that this side is `max_side` (aspect kept, Lanczos) and saved as a
     JPEG of `jpeg_quality`. `counts`: images resized, kept, and unreadable (kept as they are, for training to name).
 
-    `decode(data, path, reduce)` as in `FastTrainTransform`: give it the datasets' decoder, 07c's `decode_rgb` (07b
-    does), or a 16-bit greyscale PNG is stored almost white (`decode_fast`'s PIL path clips it)."""
+    `decode(data, path, reduce)` as in `FastTrainTransform`: `decode_fast`, or the datasets' `decode_rgb` (07c)."""
 
     def __init__(self, max_side: int, jpeg_quality: int = 90, decode: Callable[..., Tensor] = decode_fast):
         if (
