@@ -4,7 +4,10 @@
 07b §2); `prepare-val --out` on another file system moves so that a kill leaves the original or a complete copy
 (07b §1); a SIGTERM while a finished or stopped run exits leaves it its own status (06b, 08b)."""
 
+import errno
+import fcntl
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,10 +20,11 @@ from train_helpers import CASE_RUN
 
 from tutorial_lib import data as data_tools
 from tutorial_lib.cli import as_flags
-from tutorial_lib.data import write_shards
+from tutorial_lib.data import prepare_val, write_shards
 from tutorial_lib.launching import EXIT_STATUS_ENV, read_exit_status
 from tutorial_lib.processes import child_env, make_image_folder
-from tutorial_lib.sources import scan_image_folder
+from tutorial_lib.runs import claim_run_folder
+from tutorial_lib.sources import DataLayoutError, scan_image_folder
 
 # --- item 5: shard run again after its source changed --------------------------------------------------------
 
@@ -114,3 +118,117 @@ def test_sigterms_while_a_run_exits_leave_it_the_status_its_training_decided(tmp
     assert (done, status) == (143, 143), (done, status, err[-3000:])
     assert "(SIGTERM): checkpoint saved" in out and "Traceback" not in err, (out[-2000:], err[-3000:])
     assert list((tmp_path / "runs" / "stopped" / "checkpoints").glob("step_*"))
+
+
+# --- item 6: prepare-val --out on another file system ----------------------------------------------------------
+
+
+def flat_val(folder: Path, n: int = 6) -> tuple[dict[str, str], dict[str, bytes]]:
+    """`n` validation images (bytes of different lengths) in one flat folder, and their labels (3 classes)."""
+    folder.mkdir(parents=True)
+    labels, contents = {}, {}
+    for k in range(1, n + 1):
+        stem = f"ILSVRC2012_val_{k:08d}"
+        contents[stem] = os.urandom(3000 + 100 * k)
+        (folder / f"{stem}.JPEG").write_bytes(contents[stem])
+        labels[stem] = f"n0000000{k % 3}"
+    return labels, contents
+
+
+def test_prepare_val_out_on_another_file_system_leaves_originals_or_complete_copies_and_a_rerun_finishes(
+    tmp_path, monkeypatch
+):
+    """`prepare-val --out` across file systems (a rename fails with EXDEV) and a disk that fills up during the third
+    copy: every image is then either its original or a complete copy under its final name, and a rerun finishes the
+    job (before: `shutil.move` left a truncated copy under its final name that the rerun counted as in place, with
+    the original left behind and a dry run saying every image was in its class folder). A copy only in part under
+    the final name (what `shutil.move` left) and a complete copy whose original is still there are finished too."""
+    val, out = tmp_path / "val", tmp_path / "other_disk" / "val"
+    labels, contents = flat_val(val)
+    real_rename, real_copyfile, copies = os.rename, shutil.copyfile, []
+
+    def rename(src, dst, *args, **kwargs):  # the source is on another file system than OUT
+        if Path(src).parent == val:
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src))
+        return real_rename(src, dst, *args, **kwargs)
+
+    def copyfile(src, dst, *args, **kwargs):  # the disk fills up half-way through the third copy
+        copies.append(src)
+        if len(copies) == 3:
+            Path(dst).write_bytes(Path(src).read_bytes()[:1000])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+        return real_copyfile(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(shutil, "copyfile", copyfile)
+    with pytest.raises(OSError, match="No space left"):
+        prepare_val(val, labels, apply=True, out_dir=out, log=lambda line: None)
+    for stem, label in labels.items():  # the original, or a complete copy under the final name
+        original, copy = val / f"{stem}.JPEG", out / label / f"{stem}.JPEG"
+        assert original.exists() or copy.read_bytes() == contents[stem], stem
+        assert not copy.exists() or copy.read_bytes() == contents[stem], f"{copy.name} is in place but truncated"
+
+    monkeypatch.setattr(shutil, "copyfile", real_copyfile)  # space freed
+    remaining = sorted(s for s in labels if (val / f"{s}.JPEG").exists())
+    finished, torn = remaining[0], remaining[1]
+    (out / labels[finished]).mkdir(parents=True, exist_ok=True)
+    (out / labels[finished] / f"{finished}.JPEG").write_bytes(contents[finished])  # copied, not yet removed here
+    (out / labels[torn]).mkdir(parents=True, exist_ok=True)
+    (out / labels[torn] / f"{torn}.JPEG").write_bytes(contents[torn][:500])  # what shutil.move left
+    lines = []
+    dry = prepare_val(val, labels, out_dir=out, log=lines.append)
+    assert dry["to_finish"] == 1 and dry["to_copy_again"] == 1 and dry["to_move"] == len(remaining) - 2, dry
+    assert "every image is in its class folder" not in "\n".join(lines), lines
+    prepare_val(val, labels, apply=True, out_dir=out, log=lambda line: None)
+    for stem, label in labels.items():
+        assert (out / label / f"{stem}.JPEG").read_bytes() == contents[stem], stem
+    assert not list(val.iterdir()), "every original was moved"
+    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == sorted(f"{s}.JPEG" for s in labels)
+    lines = []
+    assert prepare_val(val, labels, out_dir=out, log=lines.append)["already_in_place"] == len(labels)
+    assert lines[-1] == "nothing to do: every image is in its class folder"
+
+
+# --- cheap "Low" items in the same tools ------------------------------------------------------------------------
+
+
+def test_shard_refuses_a_second_run_into_the_same_folder_in_one_line(tmp_path):
+    """Two `shard` runs into one folder: the second is refused before it changes anything (before: each removed the
+    other's temporary shards and both failed)."""
+    src = make_image_folder(tmp_path / "src", classes=2, train_per_class=2, val_per_class=1)
+    (tmp_path / "out" / "data").mkdir(parents=True)
+    held = os.open(tmp_path / "out" / ".shard.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the first run, writing
+        with pytest.raises(DataLayoutError, match="another shard run is writing into"):
+            write_shards(src, tmp_path / "out", log=lambda line: None)
+    finally:
+        os.close(held)
+    assert write_shards(src, tmp_path / "out", log=lambda line: None)["written"] == 2
+
+
+def test_shard_stores_a_file_name_that_is_not_utf8(tmp_path):
+    """A name with bytes that are not UTF-8 (the training script reads that folder) is sharded, not refused with
+    'surrogates not allowed' and no file named."""
+    src = make_image_folder(tmp_path / "src", classes=2, train_per_class=2, val_per_class=1)
+    odd = os.fsdecode(b"caf\xe9.jpg")  # Latin-1 bytes
+    (src / "train" / "class_00" / "0000.jpg").rename(src / "train" / "class_00" / odd)
+    write_shards(src, tmp_path / "out", log=lambda line: None)
+    paths = [path for path, _, _ in shard_rows(tmp_path / "out", "train")]
+    assert "class_00/caf\ufffd.jpg" in paths and len(paths) == 4, paths
+
+
+def test_overwrite_when_the_aside_name_is_taken_moves_the_run_to_the_next_free_name(tmp_path, monkeypatch):
+    """Two `--overwrite` in one second: the second moves the old run aside under a numbered name (before: an
+    OSError traceback, the folder's run kept)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"epoch": 0}\n')
+    taken = tmp_path / "run.replaced-20260101-000000"
+    taken.mkdir()
+    (taken / "metrics.jsonl").write_text("the run moved aside before\n")
+    monkeypatch.setattr(time, "strftime", lambda fmt, *args: "20260101-000000")
+    lock = claim_run_folder(run, fresh=True, overwrite=True)
+    lock.release()
+    assert (tmp_path / "run.replaced-20260101-000000-2" / "metrics.jsonl").read_text() == '{"epoch": 0}\n'
+    assert (taken / "metrics.jsonl").read_text() == "the run moved aside before\n"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import errno
+import fcntl
 import gzip
 import hashlib
 import io
@@ -220,6 +222,34 @@ def _check_targets(todo: Sequence[tuple[Path, Path]], out: Path, val_dir: Path, 
         )
 
 
+_PARTIAL = ".partial"  # a copy in progress is `.<name>.partial`: hidden, never an image name
+
+
+def _move_file(src: Path, dst: Path) -> None:
+    """Move `src` to `dst` so that a kill at any moment leaves the original or a complete copy. Within one file
+    system a rename; across file systems (`EXDEV`) a copy to `.<name>.partial` beside `dst`, flushed to the disk,
+    renamed to `dst`, and only then the original removed (`shutil.move` copies straight to `dst`: a kill or a full
+    disk there left a truncated image under its final name)."""
+    try:
+        os.rename(src, dst)
+        return
+    except OSError as err:
+        if err.errno != errno.EXDEV:
+            raise
+    tmp = dst.with_name(f".{dst.name}{_PARTIAL}")
+    shutil.copyfile(src, tmp)
+    shutil.copystat(src, tmp)  # its times, as a rename keeps them
+    with open(tmp, "rb") as copy:
+        os.fsync(copy.fileno())  # on the disk before its name says it is complete
+    os.rename(tmp, dst)
+    folder = os.open(dst.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the new name on the disk before the original goes
+    finally:
+        os.close(folder)
+    os.unlink(src)
+
+
 def prepare_val(
     val_dir: str | os.PathLike,
     mapping: str | os.PathLike | dict[str, str],
@@ -230,9 +260,11 @@ def prepare_val(
 ) -> dict:
     """Sort a flat ILSVRC2012 validation folder into `<wnid>/` class folders (07 §2, 07b §1).
 
-    Dry run unless `apply`; idempotent; moves (or, with `link`, symlinks into `out_dir`), never
-    deletes; checks everything first and refuses, changing nothing, when the mapping and the files
-    disagree, a class name is not a folder name, or a file could not be placed. Returns the counts."""
+    Dry run unless `apply`; idempotent; moves (or, with `link`, symlinks into `out_dir`), never deletes an image
+    without a complete copy in place: a move to `out_dir` on another file system that was interrupted (a kill, a full
+    disk) is finished or redone by the next run, which compares the sizes of what it finds (`_move_file`). Checks
+    everything first and refuses, changing nothing, when the mapping and the files disagree, a class name is not a
+    folder name, or a file could not be placed. Returns the counts."""
     val_dir = Path(val_dir).expanduser()
     if val_dir.is_file():
         raise NotADirectoryError(
@@ -255,7 +287,7 @@ def prepare_val(
             "--link keeps the original files where they are, so it needs --out DIR, a separate folder "
             "for the class folders"
         )
-    flat, placed, duplicates = {}, {}, []
+    flat, placed, duplicates, partials = {}, {}, [], []
     for entry in sorted(os.scandir(val_dir), key=lambda e: e.name):
         if entry.is_file() and is_image_name(entry.name):
             stem = _image_stem(entry.name)
@@ -264,6 +296,8 @@ def prepare_val(
     if out.is_dir():
         for cls in sorted((e for e in os.scandir(out) if e.is_dir()), key=lambda e: e.name):
             for entry in os.scandir(cls.path):
+                if entry.name.startswith(".") and entry.name.endswith(_PARTIAL):  # a copy a kill interrupted
+                    partials.append(Path(entry.path))
                 if is_image_name(entry.name):
                     stem = _image_stem(entry.name)
                     duplicates += [stem] if stem in placed or (stem in flat and out == val_dir) else []
@@ -273,7 +307,11 @@ def prepare_val(
             f"{len(duplicates)} images appear twice under {val_dir} (e.g. {_examples(duplicates)}): "
             "remove the copies, then run again"
         )
-    done = sum(placed[s][0] == label for s, label in labels.items() if s in placed)  # already in their class folder
+    # In VAL_DIR and in OUT (another folder): a move to another file system was interrupted after its copy
+    interrupted = [s for s in flat if s in placed and not link and not placed[s][1].is_symlink()]
+    finish = [s for s in interrupted if placed[s][1].stat().st_size == flat[s].stat().st_size]  # original to remove
+    redo = [s for s in interrupted if s not in finish]  # a truncated copy, to replace
+    done = sum(placed[s][0] == label for s, label in labels.items() if s in placed and s not in interrupted)
     misplaced = [s for s, label in labels.items() if s in placed and placed[s][0] != label]
     todo = [(flat[s], out / label / flat[s].name) for s, label in labels.items() if s in flat and s not in placed]
     missing = [s for s in labels if s not in flat and s not in placed]
@@ -294,19 +332,32 @@ def prepare_val(
         "classes": len(set(labels.values())),
         f"to_{verb}": len(todo),
         "already_in_place": done,
-        "applied": bool(apply and todo),
+        "applied": bool(apply and (todo or interrupted or partials)),
     }
+    extra = {  # what an interrupted move to another file system left
+        "to_finish": (len(finish), "copied, the original still here (to remove)"),
+        "to_copy_again": (len(redo), "copied only in part (to copy again)"),
+        "unfinished_copies": (len(partials), "unfinished copies (to remove)"),
+    }
+    counts |= {key: n for key, (n, _) in extra.items() if n}
     log(
         f"{val_dir}: {counts['images']} labelled images in {counts['classes']} classes; "
         f"already in their class folder: {done}; to {verb}: {len(todo)}"
+        + "".join(f"; {n} {what}" for n, what in extra.values() if n)
     )
-    if not todo:
+    if not (todo or interrupted or partials):
         log("nothing to do: every image is in its class folder")
         return counts
     if not apply:
         log("dry run: nothing changed (run again with --apply to do it)")
         return counts
     _check_targets(todo, out, val_dir, link)  # every move first, so that a refusal changes nothing
+    for partial in partials:
+        partial.unlink()
+    for s in finish:
+        flat[s].unlink()  # its complete copy is in place (the same size)
+    for s in redo:
+        _move_file(flat[s], placed[s][1])  # replaces the short copy in one rename
     for src, dst in todo:
         if dst.exists() or dst.is_symlink():  # appeared since the check
             raise DataLayoutError(f"{dst} already exists: remove or rename it, then run again (nothing is overwritten)")
@@ -314,10 +365,11 @@ def prepare_val(
         if link:
             os.symlink(src.resolve(), dst)
         else:
-            shutil.move(str(src), str(dst))  # a rename within one file system
+            _move_file(src, dst)
     log(
         f"{'linked' if link else 'moved'} {len(todo)} images into "
         f"{len({d.parent for _, d in todo})} class folders of {out}"
+        + (f"; finished {len(interrupted)} interrupted moves" if interrupted else "")
     )
     return counts
 
@@ -365,7 +417,12 @@ def shard_table(samples: Sequence[tuple[str, int]], split_dir: Path, schema, pre
     import pyarrow as pa
 
     images = [
-        {"bytes": (presize or bytes)(Path(p).read_bytes()), "path": os.path.relpath(p, split_dir)} for p, _ in samples
+        {
+            "bytes": (presize or bytes)(Path(p).read_bytes()),
+            # parquet's strings are UTF-8: a name's other bytes become �, the name is only a label for the image
+            "path": os.fsencode(os.path.relpath(p, split_dir)).decode(errors="replace"),
+        }
+        for p, _ in samples
     ]
     return pa.Table.from_pydict({"image": images, "label": [y for _, y in samples]}, schema=schema)
 
@@ -465,22 +522,33 @@ def write_shards(
     )
     _check_free_space(out, needed, "writing the shards")
     out.mkdir(parents=True, exist_ok=True)
-    for leftover in out.glob(".tmp-*"):  # a shard an interrupted run was writing
-        leftover.unlink()
-    progress, presized = Progress(needed, "shard", unit="B", interval=progress_interval, summary=True), Counter()
-    for _split, split_dir, samples, sizes, (start, stop), name, record in todo:
-        tmp, presize = out / f".tmp-{name}", Presizer(**settings) if settings else None
-        with pq.ParquetWriter(tmp, schema, compression="none", use_dictionary=False) as writer:
-            for first in range(start, stop, rows_per_group):
-                last = min(first + rows_per_group, stop)
-                writer.write_table(shard_table(samples[first:last], split_dir, schema, presize))
-                progress.update(sum(sizes[first:last]))
-            if presize:  # this shard's own counts: resized, kept, unreadable (kept as they were)
-                writer.add_key_value_metadata({PRESIZED_KEY: json.dumps(presize.counts)})
-                presized.update(presize.counts)
-            writer.add_key_value_metadata({SOURCE_KEY: record})  # what it holds, for the next run to compare
-        os.replace(tmp, out / name)  # complete: appears under its final name
-    progress.close()
+    lock = os.open(out.parent / ".shard.lock", os.O_RDWR | os.O_CREAT, 0o644)  # one run at a time: a second one
+    try:  # would remove the first's temporary shards; the OS drops the lock of a killed run
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock)
+        raise DataLayoutError(
+            f"another shard run is writing into {out}: wait for it to end (run again later to continue it)"
+        ) from None
+    try:
+        for leftover in out.glob(".tmp-*"):  # a shard an interrupted run was writing
+            leftover.unlink()
+        progress, presized = Progress(needed, "shard", unit="B", interval=progress_interval, summary=True), Counter()
+        for _split, split_dir, samples, sizes, (start, stop), name, record in todo:
+            tmp, presize = out / f".tmp-{name}", Presizer(**settings) if settings else None
+            with pq.ParquetWriter(tmp, schema, compression="none", use_dictionary=False) as writer:
+                for first in range(start, stop, rows_per_group):
+                    last = min(first + rows_per_group, stop)
+                    writer.write_table(shard_table(samples[first:last], split_dir, schema, presize))
+                    progress.update(sum(sizes[first:last]))
+                if presize:  # this shard's own counts: resized, kept, unreadable (kept as they were)
+                    writer.add_key_value_metadata({PRESIZED_KEY: json.dumps(presize.counts)})
+                    presized.update(presize.counts)
+                writer.add_key_value_metadata({SOURCE_KEY: record})  # what it holds, for the next run to compare
+            os.replace(tmp, out / name)  # complete: appears under its final name
+        progress.close()
+    finally:
+        os.close(lock)
     counts = {
         split: sum(pq.read_metadata(out / name).num_rows for s, *_, name, _ in plans if s == split)
         for split in ("train", "validation")

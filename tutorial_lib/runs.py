@@ -154,7 +154,12 @@ def claim_run_folder(
     if (
         existing and takes_folder
     ):  # --overwrite: the old run, lock file included, moves aside whole; this run starts a new folder
-        aside = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+        base = f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+        aside = run_dir.with_name(base)
+        for k in range(2, 1000):  # two --overwrite in one second: the name is taken
+            if not (aside.exists() or aside.is_symlink()):
+                break
+            aside = run_dir.with_name(f"{base}-{k}")
         run_dir.rename(aside)
         new_lock = RunLock(run_dir)
         new_lock.acquire()
