@@ -168,8 +168,9 @@ def test_the_fallback_decodes_pngs_and_exif_tagged_jpegs_as_before(without_torch
 
 def test_gpu_decode_drains_the_stream_then_decodes_the_batch_in_one_torchcodec_call(monkeypatch):
     """07e's `decode_jpegs_on_cuda` (10a's GPU path) without a GPU: the stream and TorchCodec's CUDA decoder are
-    stand-ins that record the calls and decode on the CPU, as TorchCodec's CUDA decoder turns by EXIF too. Its real
-    run needs a CUDA GPU (tests/test_gpu.py)."""
+    stand-ins that record the calls and decode on the CPU, as TorchCodec's CUDA decoder turns by EXIF too. The caller's
+    stream is drained first (pytorch/vision#9606: nvJPEG may overwrite memory that kernels queued on it still read).
+    Its real run needs a CUDA GPU (tests/test_gpu.py)."""
     calls = []
 
     class RecordingStream:

@@ -29,7 +29,6 @@ from train_helpers import exit_status
 from tutorial_lib.data import main, prepare_val, read_val_mapping
 from tutorial_lib.databench import (
     decode_batch_on_device,
-    decode_jpegs_on_cuda,
     format_data_benchmark,
     run_data_benchmark,
 )
@@ -1031,35 +1030,6 @@ def test_gpu_pipeline_yields_bytes_and_decodes_like_the_fast_pipeline():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="needs CUDA"):
             decode_batch_on_device(encoded, img_size=32, train=True, device="cuda")
-
-
-def test_nvjpeg_decode_drains_the_callers_stream_before_decoding(monkeypatch):
-    """pytorch/vision#9606: nvJPEG may overwrite memory that kernels queued on the caller's stream still
-    read, so the current stream must be synchronized before `decode_jpeg(device="cuda")` is called.
-    No GPU here: the stream and the decoder are stand-ins that record the order of the calls."""
-    import torchvision.io
-
-    calls = []
-
-    class RecordingStream:
-        def synchronize(self):
-            calls.append("synchronize")
-
-    cpu_decode = torchvision.io.decode_jpeg
-
-    def recording_decode(data, *args, device="cpu", **kwargs):
-        if str(device) != "cuda":  # decode_rgb's own CPU decodes pass through
-            return cpu_decode(data, *args, **kwargs)
-        calls.append(("decode", len(data), str(device)))
-        return [cpu_decode(x, *args, **kwargs) for x in data]
-
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: RecordingStream())
-    monkeypatch.setattr(torchvision.io, "decode_jpeg", recording_decode)
-    train, val = build_datasets(embedded_data_path(), img_size=32, pipeline="gpu")
-    encoded = [val[k][0] for k in range(3)]
-    decoded = decode_jpegs_on_cuda(encoded, torch.device("cuda"))
-    assert calls == ["synchronize", ("decode", 3, "cuda")]
-    assert all(torch.equal(d, decode_rgb(x)) for d, x in zip(decoded, encoded))
 
 
 def test_normalization_constants_are_made_once_per_device():
