@@ -269,3 +269,14 @@ def test_shard_max_side_stores_a_16_bit_grey_png_with_its_mean(tmp_path):
         small = decode_rgb(as_tensor(stored))
         assert max(small.shape[-2:]) == 64
         assert abs(small.float().mean().item() - original) < 0.5, (shard.name, small.float().mean().item(), original)
+
+
+def test_a_truncated_jpeg_is_named_in_one_sentence_without_torchcodecs_full_stop():
+    """TorchCodec's messages end with a full stop; the course's line goes on after the reason ("...; delete or
+    replace the file"), so the reason loses it."""
+    from tutorial_lib.sources import UnreadableImageError
+
+    data = read_bytes(ASSETS / "n01440764_tench.JPEG")
+    with pytest.raises(UnreadableImageError) as err:
+        decode_rgb(data[: len(data) // 3], "tench.JPEG")
+    assert ".;" not in str(err.value) and str(err.value).startswith("cannot decode image tench.JPEG: "), err.value

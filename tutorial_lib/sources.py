@@ -377,7 +377,8 @@ class UnreadableImageError(UserError, OSError):
 
 
 def error_reason(err: BaseException) -> str:
-    """First line of an error, without torchvision's `function, file.cpp:line, ` prefix."""
+    """First line of an error, without torchvision's `function, file.cpp:line, ` prefix or a closing full stop
+    (TorchCodec's messages end with one; the line goes on after it)."""
     if isinstance(err, UnidentifiedImageError):  # PIL names its in-memory buffer: a new address every run
         return "not a recognised image format"
     if isinstance(err, FileNotFoundError):
@@ -385,7 +386,7 @@ def error_reason(err: BaseException) -> str:
     if isinstance(err, OSError) and err.strerror and err.filename:  # "[Errno 13] Permission denied: 'x'"
         return err.strerror.lower()
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return re.sub(r"^\w+, \S+:\d+, ", "", text)
+    return re.sub(r"^\w+, \S+:\d+, ", "", text).rstrip(".")
 
 
 def unreadable_image(path, err: BaseException) -> UnreadableImageError:
