@@ -116,8 +116,110 @@ class NotebooksRunInTheBrowser:
             items[:] = [item for item in items if item.nodeid not in in_browser]
 
 
+# Where notebooks share one kernel per test process instead of starting their own: the worked answers, short notebooks
+# whose own work is often no more than a kernel's start (ipykernel, torch and the library imported: about 3 s of CPU,
+# the whole cost of the shortest solution notebooks, measured on a 2-core VM): some 90 CPU-s for the 29.
+SHARED_KERNEL_FOLDERS = ("notebooks/solutions",)
+
+# Run in the shared kernel before each notebook: what one notebook may leave behind, put back as the kernel started.
+# The namespace is emptied (`%reset -f`), so a notebook that forgets an import still fails; imported modules stay
+# loaded, which is the point.
+RESET_KERNEL = """
+def _capture():
+    import os, sys, types
+    if "_shared_kernel_state" in sys.modules:
+        return
+    import torch
+    state = sys.modules["_shared_kernel_state"] = types.ModuleType("_shared_kernel_state")
+    main = sys.modules["__main__"]
+    environ, path, threads = dict(os.environ), list(sys.path), torch.get_num_threads()
+    dunders = {k: v for k, v in vars(main).items() if k.startswith("__") and k.endswith("__")}
+
+    def restore(folder):
+        vars(main).update(dunders)  # `%reset` also drops `__spec__`, which multiprocessing reads
+        os.environ.clear()
+        os.environ.update(environ)
+        sys.path[:] = path
+        os.chdir(folder)
+        torch.set_num_threads(threads)
+        if "matplotlib.pyplot" in sys.modules:
+            sys.modules["matplotlib.pyplot"].close("all")
+        if "accelerate.state" in sys.modules:  # a run's Accelerator: notebook_launcher refuses a kernel that holds one
+            sys.modules["accelerate.state"].AcceleratorState._reset_state(reset_partial_state=True)
+            sys.modules["accelerate.state"].GradientState._reset_state()
+        if "tutorial_lib.processes" in sys.modules:  # its fork server imported the previous notebook's environment
+            sys.modules["tutorial_lib.processes"].stop_fork_server()
+            sys.modules["tutorial_lib.processes"]._FORK_CONTEXT = None
+
+    state.restore = restore
+_capture()
+%reset -f
+__import__("sys").modules["_shared_kernel_state"].restore(__FOLDER__)
+"""
+
+
+class SharedKernelNotebook(pytest.Item):
+    """A notebook run top to bottom, as nbmake runs it (smoke mode, every cell must succeed), in the test process's
+    one shared kernel, after `RESET_KERNEL`."""
+
+    _kernel = None  # the kernel manager, made by the first notebook of this process; its kernel stays up
+
+    def runtest(self):
+        import nbclient
+        import nbformat
+        from jupyter_client.manager import AsyncKernelManager
+
+        nb = nbformat.read(self.path, as_version=4)
+        nb.cells.insert(0, nbformat.v4.new_code_cell(RESET_KERNEL.replace("__FOLDER__", repr(str(self.path.parent)))))
+        if SharedKernelNotebook._kernel is None:
+            SharedKernelNotebook._kernel = AsyncKernelManager(kernel_name="python3")
+        client = nbclient.NotebookClient(
+            nb, km=SharedKernelNotebook._kernel, timeout=self.config.getoption("nbmake_timeout"), allow_errors=False
+        )
+        try:
+            client.execute(cwd=str(self.path.parent))
+        except nbclient.exceptions.CellExecutionError as err:
+            raise NotebookCellFailed(str(err)) from None
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, NotebookCellFailed):
+            return f"{self.path.name}: a cell failed\n{excinfo.value}"
+        return super().repr_failure(excinfo, style)
+
+    def reportinfo(self):
+        return self.path, 0, f"{self.path.name} (shared kernel)"
+
+    @classmethod
+    def stop_kernel(cls):
+        if cls._kernel is not None and cls._kernel.has_kernel:
+            from jupyter_core.utils import run_sync
+
+            run_sync(cls._kernel.shutdown_kernel)(now=True)
+        cls._kernel = None
+
+
+class NotebookCellFailed(Exception):
+    """A cell of a notebook run in the shared kernel raised: its traceback, as nbclient reports it."""
+
+
+class NotebooksInASharedKernel:
+    """nbmake's items for the notebooks of `SHARED_KERNEL_FOLDERS`, replaced by `SharedKernelNotebook`s (same ids)."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, config, items):
+        for k, item in enumerate(items):
+            if getattr(item, "nbmake", False) and any(
+                item.nodeid.startswith(folder + "/") for folder in SHARED_KERNEL_FOLDERS
+            ):
+                items[k] = SharedKernelNotebook.from_parent(item.parent, name=item.name)
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        SharedKernelNotebook.stop_kernel()
+
+
 def pytest_configure(config):
     config.pluginmanager.register(NotebooksRunInTheBrowser(), "notebooks-run-in-the-browser")
+    config.pluginmanager.register(NotebooksInASharedKernel(), "notebooks-in-a-shared-kernel")
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -1,5 +1,7 @@
 """The test session's own safety net: a finished run exits even when a test left something running."""
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -131,3 +133,49 @@ def test_a_test_without_the_slow_mark_that_starts_a_process_or_trains_fails(tmp_
     assert "starts a process but is not marked slow: add @pytest.mark.slow" in done.stdout
     assert "trains (Accelerator.backward) but is not marked slow" in done.stdout
     assert "2 failed, 2 passed" in done.stdout
+
+
+def code_notebook(*sources: str) -> str:
+    """A notebook of code cells, as JSON."""
+    cells = [
+        {"cell_type": "code", "execution_count": None, "id": f"c{k}", "metadata": {}, "outputs": [], "source": source}
+        for k, source in enumerate(sources)
+    ]
+    kernelspec = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return json.dumps({"cells": cells, "metadata": {"kernelspec": kernelspec}, "nbformat": 4, "nbformat_minor": 5})
+
+
+@pytest.mark.slow
+def test_solution_notebooks_share_one_kernel_and_each_starts_as_in_a_fresh_one(tmp_path):
+    """Two notebooks of notebooks/solutions/ run in one kernel (the same process), and what the first leaves behind
+    (a variable, an environment variable, the working folder, `__spec__` dropped by the reset) does not reach the
+    second; a failing cell still fails its notebook."""
+    (tmp_path / "conftest.py").write_text((ROOT / "conftest.py").read_text())
+    solutions = tmp_path / "notebooks" / "solutions"
+    solutions.mkdir(parents=True)
+    (solutions / "01_first.ipynb").write_text(
+        code_notebook(
+            "import os\nleft = 1\nos.environ['LEFT_BEHIND'] = '1'\nos.chdir('/')",
+            "open(os.path.join(os.environ['PIDS'], 'first'), 'w').write(str(os.getpid()))",
+        )
+    )
+    (solutions / "02_second.ipynb").write_text(
+        code_notebook(
+            "import os, multiprocessing\nassert 'left' not in globals() and 'LEFT_BEHIND' not in os.environ\n"
+            "assert os.getcwd() == os.environ['EXPECT_CWD'] and '__spec__' in globals()\n"
+            "open(os.path.join(os.environ['PIDS'], 'second'), 'w').write(str(os.getpid()))",
+        )
+    )
+    (solutions / "03_fails.ipynb").write_text(code_notebook("raise ValueError('a failing cell')"))
+    env = {**os.environ, "PIDS": str(tmp_path), "EXPECT_CWD": str(solutions)}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--nbmake", "-n", "0"]
+        + ["notebooks/solutions"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "1 failed, 2 passed" in done.stdout and "a failing cell" in done.stdout, done.stdout[-3000:]
+    assert (tmp_path / "first").read_text() == (tmp_path / "second").read_text(), "one kernel for both"
