@@ -10,7 +10,6 @@ import re
 import struct
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
