@@ -659,6 +659,21 @@ def test_bench_refuses_bad_values_in_one_line_with_exit_2(argv, message, capsys)
     assert capsys.readouterr().err.splitlines() == [message], "one line, no usage block"
 
 
+def test_bench_data_refuses_a_file_given_as_data_dir_in_one_line_before_reading_it(tmp_path, capsys, monkeypatch):
+    import tutorial_lib.databench as databench
+    from tutorial_lib.bench import main
+
+    (tmp_path / "photos.zip").write_bytes(b"PK")
+    monkeypatch.setattr(databench, "DataLoader", lambda *a, **kw: pytest.fail("data was read"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["data", "--data_dir", str(tmp_path / "photos.zip")])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"python -m tutorial_lib.bench: error: image folder {tmp_path / 'photos.zip'} is a file, not a folder: "
+        "check the path"
+    ]
+
+
 def test_bench_gpu_applies_dry_run_sizes_only_where_no_flag_was_given(monkeypatch, capsys):
     import tutorial_lib.bench as bench
 

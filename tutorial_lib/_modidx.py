@@ -855,6 +855,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                     'tutorial_lib/sources.py'),
                                       'tutorial_lib.sources._declared_names': ( 'imagenet_sources.html#_declared_names',
                                                                                 'tutorial_lib/sources.py'),
+                                      'tutorial_lib.sources._image_folder': ( 'imagenet_sources.html#_image_folder',
+                                                                              'tutorial_lib/sources.py'),
                                       'tutorial_lib.sources._library_lines_held': ( 'imagenet_sources.html#_library_lines_held',
                                                                                     'tutorial_lib/sources.py'),
                                       'tutorial_lib.sources._load_splits': ( 'imagenet_sources.html#_load_splits',
