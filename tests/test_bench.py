@@ -648,6 +648,12 @@ def test_bench_and_stress_flags_use_underscores_and_show_every_default():
         (["loop", "--batch-size", "4"], "python -m tutorial_lib.bench: error: unrecognized arguments: --batch-size 4"),
         (["loop", "--batch", "4"], "python -m tutorial_lib.bench: error: unrecognized arguments: --batch 4"),
         (["data"], "python -m tutorial_lib.bench data: error: the following arguments are required: --data_dir"),
+        (
+            ["loop", "--rounds", "3"],
+            "python -m tutorial_lib.bench loop: error: --rounds must be even (each loop goes first in half of the "
+            "rounds), got 3",
+        ),
+        (["loop", "--rounds", "0"], "python -m tutorial_lib.bench loop: error: --rounds must be >= 2, got 0"),
     ],
 )
 def test_bench_refuses_bad_values_in_one_line_with_exit_2(argv, message, capsys):

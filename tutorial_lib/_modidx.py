@@ -132,6 +132,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'tutorial_lib.bench.decode_on_side_stream': ( 'benchmarks.html#decode_on_side_stream',
                                                                                   'tutorial_lib/bench.py'),
                                     'tutorial_lib.bench.device_name': ('benchmarks.html#device_name', 'tutorial_lib/bench.py'),
+                                    'tutorial_lib.bench.even_rounds': ('benchmarks.html#even_rounds', 'tutorial_lib/bench.py'),
                                     'tutorial_lib.bench.format_gpu_table': ('benchmarks.html#format_gpu_table', 'tutorial_lib/bench.py'),
                                     'tutorial_lib.bench.get_args_parser': ('benchmarks.html#get_args_parser', 'tutorial_lib/bench.py'),
                                     'tutorial_lib.bench.jpeg_batches': ('benchmarks.html#jpeg_batches', 'tutorial_lib/bench.py'),
