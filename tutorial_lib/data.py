@@ -379,10 +379,15 @@ PRESIZE_KEY, PRESIZED_KEY = "tutorial_lib.presize", "tutorial_lib.presized"  # f
 SOURCE_KEY = "tutorial_lib.source"  # footer key: what the shard was built from (`_source_record`)
 
 
+def _free_space(folder: Path) -> int:
+    """Free bytes of the file system that holds `folder`, or would hold it once created."""
+    probe = next((p for p in [folder, *folder.parents] if p.exists()), folder)  # where `folder` would be created
+    return shutil.disk_usage(probe).free
+
+
 def _check_free_space(folder: Path, needed: int, what: str) -> None:
     """Refuse to start a job that cannot fit in the free space of `folder`'s file system."""
-    probe = next((p for p in [folder, *folder.parents] if p.exists()), folder)  # where `folder` would be created
-    free = shutil.disk_usage(probe).free
+    free = _free_space(folder)
     if needed > free:
         raise DataSourceError(
             f"{what} needs {format_size(needed)} in {folder} but its disk has {format_size(free)} free: "
@@ -520,7 +525,17 @@ def write_shards(
         + (f"{changed} out of date (their images or labels changed since: rebuilt), " if changed else "")
         + f"{format_size(needed)} to write"
     )
-    _check_free_space(out, needed, "writing the shards")
+    to_write = needed  # the bytes to read, written as they are unless pre-sized
+    if settings and needed > _free_space(out):  # pre-sized shards are smaller: estimate them from the images'
+        presizer = Presizer(**settings)  # headers, read only now (one more small read per image)
+        to_write = round(
+            sum(
+                presizer.estimated_size(path, size)
+                for _, _, samples, sizes, (a, b), *_ in todo
+                for (path, _), size in zip(samples[a:b], sizes[a:b])
+            )
+        )
+    _check_free_space(out, to_write, "writing the shards" + (" (pre-sized, estimated)" if settings else ""))
     out.mkdir(parents=True, exist_ok=True)
     lock = os.open(out.parent / ".shard.lock", os.O_RDWR | os.O_CREAT, 0o644)  # one run at a time: a second one
     try:  # would remove the first's temporary shards; the OS drops the lock of a killed run
