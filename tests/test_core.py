@@ -10,6 +10,7 @@ from kernel_helpers import run_in_kernel, short_tmpdir
 from tutorial_lib.core import (
     bf16_supported,
     environment_report,
+    format_size,
     free_port,
     global_batch_size,
     smoke_mode,
@@ -26,6 +27,29 @@ def test_global_batch_is_the_product_of_micro_batch_accumulation_and_processes()
 def test_global_batch_refuses_non_positive_integers(bad):
     with pytest.raises(ValueError, match="positive integer"):
         global_batch_size(*bad)
+
+
+def test_sizes_are_said_in_si_units_the_largest_one_they_reach():
+    sizes = (0, 999, 31_539, 233_472, 4.6e6, 5.2e9, 3e12)
+    assert [format_size(n) for n in sizes] == [
+        "0 bytes",
+        "999 bytes",
+        "31.5 kB",
+        "233.5 kB",
+        "4.6 MB",
+        "5.20 GB",
+        "3.00 TB",
+    ]
+    # a progress line keeps MB as its smallest unit: the figures of a growing job stay comparable
+    assert [format_size(n, smallest="MB") for n in (0, 40_000, 600_000, 4.6e6, 5.2e9)] == [
+        "0.0 MB",
+        "0.0 MB",
+        "0.6 MB",
+        "4.6 MB",
+        "5.20 GB",
+    ]
+    with pytest.raises(ValueError, match="smallest must be one of"):
+        format_size(1, smallest="KB")
 
 
 def test_smoke_mode_reads_the_environment_variable(monkeypatch):

@@ -25,7 +25,6 @@ from tutorial_lib.cli import (
     OneLineParser,
     Progress,
     cli_main,
-    format_size,
     number_flag,
     positive_float,
     positive_int,
@@ -33,7 +32,7 @@ from tutorial_lib.cli import (
     shown_path,
     user_path,
 )
-from .core import MissingPathError, UserError, in_notebook
+from .core import MissingPathError, UserError, format_size, in_notebook
 from tutorial_lib.sources import (
     IMG_EXTENSIONS,
     OFFICIAL_ARCHIVES,
@@ -518,7 +517,7 @@ def write_shards(
         f"{len(plans)} shards of about "
         f"{shard_mb:g} MB in {out}; {len(plans) - len(todo)} already complete, "
         + (f"{changed} out of date (their images or labels changed since: rebuilt), " if changed else "")
-        + f"{format_size(needed)} to write"
+        + f"{format_size(needed, smallest='MB')} to write"  # in the unit of the progress lines that follow
     )
     _check_free_space(out, needed, "writing the shards")
     out.mkdir(parents=True, exist_ok=True)
@@ -793,7 +792,7 @@ def _unpack_archives(
         log(
             f"{paths['train'].parent}: {len(classes)} classes, {sum(devkit.train_counts.values()):,} train + "
             f"{len(val_members):,} val images; already in {out}: {len(classes) - len(train_left)} classes"
-            f"{' and val' if val_dir.is_dir() else ''}; needs {format_size(needed)} of disk"
+            f"{' and val' if val_dir.is_dir() else ''}; needs {format_size(needed, smallest='MB')} of disk"
         )
         _check_free_space(out, needed, "unpacking the archives")
         # 2. train: each class into .tmp-<wnid>, renamed when complete

@@ -25,12 +25,12 @@ from tutorial_lib.checkpoints import (
     atomic_write_text,
     checkpoint_run_id,
     folder_run_id,
-    format_bytes,
     latest_checkpoint,
     list_checkpoints,
 )
 from tutorial_lib.core import (
     UserError,
+    format_size,
 )
 
 # %% auto #0
@@ -236,14 +236,14 @@ def check_free_space(run_dir: str | os.PathLike, need: int, accelerator=None) ->
     if free < need:
         raise DiskFullError(
             f"not enough space on the disk of {run_dir} for a checkpoint: one needs about "
-            f"{format_bytes(need)}, {format_bytes(free)} are free; free some space or choose another "
+            f"{format_size(need)}, {format_size(free)} are free; free some space or choose another "
             "--working_directory"
         )
 
 
 def checkpoint_size(model: torch.nn.Module, momentum: bool, ema: torch.nn.Module | None = None) -> int:
     """About how many bytes one checkpoint of this run takes: weights and buffers, SGD's momentum buffer for every
-    parameter (if `momentum`), the EMA's copy (--ema), and 64 KB for the small files (scheduler, RNG states,
+    parameter (if `momentum`), the EMA's copy (--ema), and 64 KiB for the small files (scheduler, RNG states,
     progress, manifest)."""
     size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
     total = size(model.state_dict().values()) + 64 * 1024
