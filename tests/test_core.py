@@ -8,7 +8,9 @@ import torch
 from kernel_helpers import run_in_kernel, short_tmpdir
 
 from tutorial_lib.core import (
+    UserError,
     bf16_supported,
+    check_free_space,
     environment_report,
     format_size,
     free_port,
@@ -50,6 +52,29 @@ def test_sizes_are_said_in_si_units_the_largest_one_they_reach():
     ]
     with pytest.raises(ValueError, match="smallest must be one of"):
         format_size(1, smallest="KB")
+
+
+def test_free_space_is_checked_on_the_disk_a_new_folder_will_be_on(tmp_path, monkeypatch):
+    asked = []
+
+    def disk_usage(path):
+        asked.append(Path(path))
+        return type("Usage", (), {"free": 40_000})()
+
+    monkeypatch.setattr("shutil.disk_usage", disk_usage)
+
+    class ShardError(UserError):
+        pass
+
+    out = tmp_path / "not" / "yet"
+    check_free_space(out, 40_000, "the shards", "output folder", ShardError)  # exactly what is free: fits
+    with pytest.raises(ShardError) as refused:
+        check_free_space(out, 2_500_000, "the shards", "output folder", ShardError)
+    assert asked == [tmp_path, tmp_path], "the nearest folder that exists is on the disk `out` will be on"
+    assert str(refused.value) == (
+        f"not enough space on the disk of {out} for the shards: it needs about 2.5 MB, 40.0 kB are free; "
+        "free some space or choose another output folder"
+    )
 
 
 def test_smoke_mode_reads_the_environment_variable(monkeypatch):

@@ -437,10 +437,10 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_at_start_in_sensible_uni
         small_disk=(disk, "150k"),
     )
     line = assert_one_line_error(
-        done, f"not enough space on the disk of {disk / 'small'} for a checkpoint: one needs about "
+        done, f"not enough space on the disk of {disk / 'small'} for a checkpoint: it needs about "
     )
     assert re.fullmatch(
-        r".*one needs about 2\d\d\.\d kB, 1\d\d\.\d kB are free; free some space or choose another "
+        r".*it needs about 2\d\d\.\d kB, 1\d\d\.\d kB are free; free some space or choose another "
         r"--working_directory",
         line,
     ), line
@@ -652,3 +652,13 @@ def test_a_crafted_checkpoint_whose_manifest_matches_is_refused_in_one_line(
         cli(tmp_path, data, epochs=3, resume_from_checkpoint="latest"),
         f"--resume_from_checkpoint {checkpoint}: {message}",
     )
+
+
+def test_a_checkpoint_that_cannot_fit_is_a_disk_full_error_naming_the_working_directory(tmp_path):
+    from tutorial_lib.checkpoints import DiskFullError
+    from tutorial_lib.runs import check_checkpoint_space
+
+    free = shutil.disk_usage(tmp_path).free
+    check_checkpoint_space(tmp_path, need=1)
+    with pytest.raises(DiskFullError, match=r"for a checkpoint: it needs about .* choose another --working_directory"):
+        check_checkpoint_space(tmp_path, need=2 * free)

@@ -32,7 +32,7 @@ from tutorial_lib.cli import (
     shown_path,
     user_path,
 )
-from .core import MissingPathError, UserError, format_size, in_notebook
+from .core import MissingPathError, UserError, check_free_space, format_size, in_notebook
 from tutorial_lib.sources import (
     IMG_EXTENSIONS,
     OFFICIAL_ARCHIVES,
@@ -378,17 +378,6 @@ PRESIZE_KEY, PRESIZED_KEY = "tutorial_lib.presize", "tutorial_lib.presized"  # f
 SOURCE_KEY = "tutorial_lib.source"  # footer key: what the shard was built from (`_source_record`)
 
 
-def _check_free_space(folder: Path, needed: int, what: str) -> None:
-    """Refuse to start a job that cannot fit in the free space of `folder`'s file system."""
-    probe = next((p for p in [folder, *folder.parents] if p.exists()), folder)  # where `folder` would be created
-    free = shutil.disk_usage(probe).free
-    if needed > free:
-        raise DataSourceError(
-            f"{what} needs {format_size(needed)} in {folder} but its disk has {format_size(free)} free: "
-            "free some space or choose another output folder"
-        )
-
-
 def hub_features(classes: Sequence[str]):
     """The 🤗 `Features` of `ILSVRC/imagenet-1k`'s shards: `image` (encoded bytes and path), `label` (ClassLabel)."""
     from datasets import ClassLabel, Features
@@ -519,7 +508,7 @@ def write_shards(
         + (f"{changed} out of date (their images or labels changed since: rebuilt), " if changed else "")
         + f"{format_size(needed, smallest='MB')} to write"  # in the unit of the progress lines that follow
     )
-    _check_free_space(out, needed, "writing the shards")
+    check_free_space(out, needed, "the shards", "output folder", DataSourceError)
     out.mkdir(parents=True, exist_ok=True)
     lock = os.open(out.parent / ".shard.lock", os.O_RDWR | os.O_CREAT, 0o644)  # one run at a time: a second one
     try:  # would remove the first's temporary shards; the OS drops the lock of a killed run
@@ -794,7 +783,7 @@ def _unpack_archives(
             f"{len(val_members):,} val images; already in {out}: {len(classes) - len(train_left)} classes"
             f"{' and val' if val_dir.is_dir() else ''}; needs {format_size(needed, smallest='MB')} of disk"
         )
-        _check_free_space(out, needed, "unpacking the archives")
+        check_free_space(out, needed, "the unpacked images", "output folder", DataSourceError)
         # 2. train: each class into .tmp-<wnid>, renamed when complete
         progress = Progress(to_read, "from-archives", unit="B", interval=progress_interval, summary=True)
         train_dir.mkdir(parents=True, exist_ok=True)

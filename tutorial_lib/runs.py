@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -30,13 +29,13 @@ from tutorial_lib.checkpoints import (
 )
 from tutorial_lib.core import (
     UserError,
-    format_size,
+    check_free_space,
 )
 
 # %% auto #0
 __all__ = ['RUN_LOCK', 'RUN_OUTPUTS', 'RunLock', 'run_outputs', 'check_writable', 'claim_run_folder', 'write_run_config',
-           'cut_metrics', 'check_free_space', 'checkpoint_size', 'NonFiniteLossError', 'NonFiniteGuard', 'StopAtOnce',
-           'StopRequest']
+           'cut_metrics', 'check_checkpoint_space', 'checkpoint_size', 'NonFiniteLossError', 'NonFiniteGuard',
+           'StopAtOnce', 'StopRequest']
 
 # %% ../notebooks/06b_run_safety.ipynb #f1cd8293
 RUN_LOCK = ".run.lock"
@@ -216,29 +215,24 @@ def cut_metrics(path: str | os.PathLike, before_epoch: int, warn=None) -> dict:
     return {"kept": kept, "dropped_later": later, "dropped_unreadable": torn}
 
 # %% ../notebooks/06b_run_safety.ipynb #5dac9cc2
-def check_free_space(run_dir: str | os.PathLike, need: int, accelerator=None) -> None:
+def check_checkpoint_space(run_dir: str | os.PathLike, need: int, accelerator=None) -> None:
     """Refuse (`DiskFullError`) a run whose disk cannot hold one more checkpoint of about `need` bytes: at start,
-    not at the first save an epoch later. With an `accelerator` the main process decides for every process."""
+    not at the first save an epoch later (00's `check_free_space`). With an `accelerator` the main process decides
+    for every process."""
     if accelerator is not None:
         from accelerate.utils import broadcast_object_list
 
         refusal = None
         if accelerator.is_main_process:
             try:
-                check_free_space(run_dir, need)
+                check_checkpoint_space(run_dir, need)
             except DiskFullError as err:
                 refusal = str(err)
         refusal = broadcast_object_list([refusal])[0]
         if refusal:
             raise DiskFullError(refusal)
         return
-    free = shutil.disk_usage(run_dir).free
-    if free < need:
-        raise DiskFullError(
-            f"not enough space on the disk of {run_dir} for a checkpoint: one needs about "
-            f"{format_size(need)}, {format_size(free)} are free; free some space or choose another "
-            "--working_directory"
-        )
+    check_free_space(run_dir, need, "a checkpoint", "--working_directory", DiskFullError)
 
 
 def checkpoint_size(model: torch.nn.Module, momentum: bool, ema: torch.nn.Module | None = None) -> int:
