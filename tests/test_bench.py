@@ -7,6 +7,7 @@ notebook 10 measures with them, so their tests import them from there."""
 import copy
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -399,6 +400,24 @@ def test_jpeg_listing_labels_flat_folders_by_name_prefix(jpeg_folder):
     assert [classes[y] for y in labels] == [f.name.split("_")[0] for f in files]
     with pytest.raises(FileNotFoundError, match="--data_dir"):
         jpeg_files_and_labels(jpeg_folder / "missing")
+
+
+def test_jpeg_listing_is_the_data_modules_listing_of_jpegs(jpeg_folder, tmp_path):
+    from tutorial_lib.core import MissingPathError
+    from tutorial_lib.sources import list_images
+
+    folder = tmp_path / "classes"
+    for name in ("n01", "n02"):
+        shutil.copytree(jpeg_folder, folder / name)
+    (folder / "n01" / "._n00_thing0.JPEG").write_bytes(b"\0\5\26\7")  # what macOS leaves: not a JPEG
+    (folder / "n02" / "moved.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    (folder / "n03").mkdir()  # an empty class folder is no class
+    (folder / "n02" / "x.png").write_bytes((jpeg_folder / "n00_thing0.JPEG").read_bytes())
+    files, labels, classes = jpeg_files_and_labels(folder)
+    assert [str(f) for f in files] == list_images(folder, (".jpg", ".jpeg")) and len(files) == 12
+    assert classes == ["n01", "n02"] and labels == [0] * 6 + [1] * 6
+    with pytest.raises(MissingPathError, match="--data_dir"):
+        jpeg_files_and_labels(folder / "missing")
 
 
 def test_linked_folder_gives_a_flat_folder_the_imagefolder_layout(jpeg_folder, tmp_path):

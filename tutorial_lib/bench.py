@@ -30,6 +30,7 @@ from tutorial_lib.cli import (
     positive_int,
 )
 from tutorial_lib.core import (
+    MissingPathError,
     count_training_flops,
     in_notebook,
     mfu,
@@ -212,7 +213,7 @@ SYNTHETIC_CONFIGS: dict[str, dict] = {
     "channels_last": dict(channels_last=True, compile=False),
     "channels_last_compile": dict(channels_last=True, compile=True),
 }
-JPEG_SUFFIXES = {".jpg", ".jpeg"}
+JPEG_SUFFIXES = (".jpg", ".jpeg")
 
 
 def make_train_step(
@@ -325,14 +326,15 @@ class RepeatDataset(torch.utils.data.Dataset):
 def jpeg_files_and_labels(
     folder: str | os.PathLike, max_files: int | None = None
 ) -> tuple[list[Path], list[int], list[str]]:
-    """The JPEG files under `folder` (at most `max_files`, evenly spread) with integer labels: the
-    sub-folder name, or for a flat folder the file name's prefix before `_` (`n01440764_tench.JPEG` → `n01440764`)."""
+    """The JPEG files under `folder` (07a's `list_images`: at most `max_files`, evenly spread) with integer labels:
+    the sub-folder name, or for a flat folder the file name's prefix before `_` (`n01440764_tench.JPEG` →
+    `n01440764`)."""
+    from tutorial_lib.sources import list_images
+
     root = Path(folder)
     if not root.is_dir():
-        raise FileNotFoundError(f"no folder {root}; pass --data_dir with a folder of JPEG files")
-    files = sorted(p for p in root.rglob("*") if p.suffix.lower() in JPEG_SUFFIXES and p.is_file())
-    if not files:
-        raise FileNotFoundError(f"no .jpg/.jpeg files under {root}; pass --data_dir with a folder of JPEG files")
+        raise MissingPathError(f"no folder {root}; pass --data_dir with a folder of JPEG files")
+    files = [Path(f) for f in list_images(root, JPEG_SUFFIXES)]
     if max_files is not None and len(files) > max_files:
         files = files[:: len(files) // max_files][:max_files]
     names = [p.parent.name if p.parent != root else p.stem.split("_")[0] for p in files]
