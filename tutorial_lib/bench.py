@@ -28,6 +28,7 @@ from tutorial_lib.cli import (
     number_flag,
     positive_float,
     positive_int,
+    user_path,
 )
 from tutorial_lib.core import (
     MissingPathError,
@@ -735,6 +736,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     gpu.add_argument(
         "--data_dir",
+        type=user_path,
         default=DEFAULT_JPEG_DIR,
         help="folder of JPEG files (any layout) for the end-to-end rows; a relative path starts at the "
         "folder you run the command in (default: the package's embedded CIFAR-10 training JPEGs, "
@@ -766,7 +768,11 @@ def get_args_parser() -> argparse.ArgumentParser:
         description="torchvision's default input pipeline against 07's, images/s per worker.",
     )
     data.add_argument(
-        "--data_dir", required=True, default=argparse.SUPPRESS, help="a folder of images (any depth); required"
+        "--data_dir",
+        type=user_path,
+        required=True,
+        default=argparse.SUPPRESS,
+        help="a folder of images (any depth); required",
     )
     data.add_argument("--workers", type=non_negative_int, default=1, help="DataLoader workers of each pipeline")
     data.set_defaults(func=_cmd_data)

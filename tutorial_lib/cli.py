@@ -140,7 +140,9 @@ def run_name(text: str) -> str:
 
 def user_path(text: str) -> str:
     """An argparse `type=` for the path flags: `~` and `~user` expanded, as a shell does for an unquoted word but not
-    in `--flag=~/x`, in quotes, or in a config file or job script that passes the flag on."""
+    in `--flag=~/x`, in quotes, or in a config file or job script that passes the flag on. Every path flag and path
+    argument of the course's command lines has this type, the one place that expands `~`: the library's functions
+    take paths as Python does."""
     return os.path.expanduser(text)
 
 # %% ../notebooks/00a_course_tools.ipynb #1feea00b
@@ -689,7 +691,10 @@ def get_args_parser() -> argparse.ArgumentParser:
         help="execute the notebooks in full mode, outputs written in place (then nbdev-clean)",
     )
     run.add_argument(
-        "notebooks", nargs="*", help="notebook files (default: every notebook of notebooks/ here, in reading order)"
+        "notebooks",
+        nargs="*",
+        type=user_path,
+        help="notebook files (default: every notebook of notebooks/ here, in reading order)",
     )
     run.add_argument(
         "--smoke",

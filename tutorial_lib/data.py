@@ -143,7 +143,7 @@ def _csv_fields(path: Path, lineno: int, line: str) -> list[str]:
 def read_val_mapping(path: str | os.PathLike) -> dict[str, str]:
     """Image stem → class folder, from `LOC_val_solution.csv`, a text file of `filename wnid` lines (also
     gzip-compressed) or the ILSVRC2012 devkit (its archive, or the folder it unpacks to) (07b §1, §3)."""
-    path = Path(path).expanduser()
+    path = Path(path)
     if path.is_dir():
         if next(path.rglob("meta.mat"), None) and next(path.rglob(_GROUND_TRUTH), None):
             return _devkit_mapping(path)  # the unpacked devkit
@@ -264,7 +264,7 @@ def prepare_val(
     disk) is finished or redone by the next run, which compares the sizes of what it finds (`_move_file`). Checks
     everything first and refuses, changing nothing, when the mapping and the files disagree, a class name is not a
     folder name, or a file could not be placed. Returns the counts."""
-    val_dir = Path(val_dir).expanduser()
+    val_dir = Path(val_dir)
     if val_dir.is_file():
         raise NotADirectoryError(
             f"{val_dir} is a file, not the validation folder: the arguments are VAL_DIR MAPPING, in that order"
@@ -274,7 +274,7 @@ def prepare_val(
             f"validation folder {val_dir} does not exist: pass the folder of ILSVRC2012_val_*.JPEG files"
         )
     labels = mapping if isinstance(mapping, dict) else read_val_mapping(mapping)
-    out = Path(out_dir).expanduser() if out_dir is not None else val_dir
+    out = Path(out_dir) if out_dir is not None else val_dir
     unusable = sorted({label for label in labels.values() if _class_name_problem(label)})
     if unusable:  # a dict, or any future source: the same check as a mapping file's lines and the devkit's names
         raise DataLayoutError(
@@ -479,7 +479,7 @@ def write_shards(
         raise DataLayoutError(f"{train_dir} and {val_dir} have different class folders: give both splits the same ones")
     schema = hub_features(classes).arrow_schema
     schema = schema.with_metadata({**schema.metadata, PRESIZE_KEY: json.dumps(settings)}) if settings else schema
-    out = Path(out_dir).expanduser() / "data"
+    out = Path(out_dir) / "data"
     plans = []  # (split, split folder, samples, sizes, (start, stop), file name, source record)
     for split, split_dir, samples in (("train", train_dir, train), ("validation", val_dir, val)):
         stats = [os.stat(p) for p, _ in samples]
@@ -715,7 +715,7 @@ def from_archives(
 
     Checks before writing anything (files, classes, validation names, free disk), never changes the archives,
     resumes after an interruption, shows progress and verifies the counts at the end. Returns the counts."""
-    archive_dir, out = Path(archive_dir).expanduser(), Path(out_dir).expanduser()
+    archive_dir, out = Path(archive_dir), Path(out_dir)
     if not archive_dir.is_dir():
         raise MissingPathError(
             f"archive folder {archive_dir} does not exist: pass the folder that holds {', '.join(OFFICIAL_ARCHIVES)}"

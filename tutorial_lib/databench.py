@@ -16,7 +16,15 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from .cli import HelpFormatter, OneLineParser, cli_main, non_negative_int, positive_int, run_on_user_files
+from tutorial_lib.cli import (
+    HelpFormatter,
+    OneLineParser,
+    cli_main,
+    non_negative_int,
+    positive_int,
+    run_on_user_files,
+    user_path,
+)
 from .core import in_notebook
 from .data import hub_features, shard_table
 from .decoding import decode_rgb
@@ -302,7 +310,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         description="torchvision's default input pipeline against 07's, images/s per worker "
         "(07e); ends with one JSON line",
     )
-    parser.add_argument("--data_dir", required=True, help="folder of images (any depth)")
+    parser.add_argument("--data_dir", type=user_path, required=True, help="folder of images (any depth)")
     parser.add_argument("--workers", type=non_negative_int, default=1, help="DataLoader worker processes")
     parser.add_argument("--img_size", type=positive_int, default=224, help="crop size")
     parser.add_argument("--batch_size", type=positive_int, default=25, help="images per batch")
@@ -321,7 +329,7 @@ def run_command(args: argparse.Namespace) -> int | None:
     return run_on_user_files(
         lambda: print_data_benchmark(
             run_data_benchmark(
-                os.path.expanduser(args.data_dir),
+                args.data_dir,
                 workers=args.workers,
                 img_size=args.img_size,
                 batch_size=args.batch_size,

@@ -61,7 +61,7 @@ def find_split_dirs(root: str | os.PathLike) -> tuple[Path, Path]:
     """The `train` and `val` (or `validation`) folders of a dataset root, with errors that say what to fix.
 
     Taught in 07 §1 and 07a §1; the training script calls it on `--path_to_data`."""
-    root = Path(root).expanduser()
+    root = Path(root)
     if not root.exists():
         raise MissingPathError(
             f"data folder {root} does not exist: pass the folder that holds train/ and val/ "
@@ -320,7 +320,7 @@ def resolve_data_source(path_to_data: str | os.PathLike | DataSource) -> DataSou
     if isinstance(path_to_data, DataSource):
         return path_to_data
     text = str(path_to_data)
-    root = Path(text).expanduser()
+    root = Path(text)
     if not root.exists():
         if _HUB_ID.match(text):
             require_datasets(f"{text} (not a local folder, so a Hugging Face Hub id)")
