@@ -629,11 +629,13 @@ def subcommand_parsers(parser):
 
 def test_bench_and_stress_flags_use_underscores_and_show_every_default():
     from tutorial_lib.bench import get_args_parser as bench_parser
+    from tutorial_lib.databench import get_args_parser as data_parser
     from tutorial_lib.stress import get_args_parser as stress_parser
 
     checked = 0
     for parser in (bench_parser(), stress_parser()):
-        for name, sub in subcommand_parsers(parser).items():
+        commands = {**subcommand_parsers(parser), **({"data": data_parser()} if parser.prog.endswith("bench") else {})}
+        for name, sub in commands.items():  # bench data: databench's parser, under the name bench data
             helps = flag_helps(sub.format_help())
             flags = [s for a in sub._actions for s in a.option_strings if s.startswith("--") and s != "--help"]
             assert set(flags) <= set(helps), (name, set(flags) - set(helps))
@@ -676,6 +678,29 @@ def test_bench_refuses_bad_values_in_one_line_with_exit_2(argv, message, capsys)
         main(argv)
     assert exit_.value.code == 2
     assert capsys.readouterr().err.splitlines() == [message], "one line, no usage block"
+
+
+def test_bench_data_is_the_databench_command_under_another_name(monkeypatch, capsys):
+    import tutorial_lib.bench as bench
+    import tutorial_lib.databench as databench
+
+    seen = []
+    monkeypatch.setattr(databench, "run_data_benchmark", lambda data_dir, **kw: seen.append((data_dir, kw)) or {})
+    monkeypatch.setattr(databench, "print_data_benchmark", lambda result: print("the table"))
+    monkeypatch.setenv("HOME", "/home/me")
+    argv = ["--data_dir", "~/photos", "--workers", "0", "--img_size", "64", "--max_images", "10", "--no_parquet"]
+    bench.main(["data", *argv])
+    databench.main(argv)
+    assert seen[0] == seen[1] and seen[0][0] == "/home/me/photos", seen
+    assert seen[0][1]["img_size"] == 64 and seen[0][1]["max_images"] == 10 and seen[0][1]["parquet"] is False
+    assert capsys.readouterr().out == "the table\n" * 2
+    helps = []
+    for main, args in ((bench.main, ["data", "--help"]), (databench.main, ["--help"])):
+        with pytest.raises(SystemExit):
+            main(args)
+        helps.append(capsys.readouterr().out)
+    assert helps[0].startswith("usage: python -m tutorial_lib.bench data ")
+    assert helps[0].split("\n\n", 1)[1] == helps[1].split("\n\n", 1)[1], "the same description and flags"
 
 
 def test_bench_gpu_applies_dry_run_sizes_only_where_no_flag_was_given(monkeypatch, capsys):

@@ -91,7 +91,7 @@ def command_lines(tmp: Path) -> dict:
             ["loop", "--steps", "0"],
             "python -m tutorial_lib.bench loop: error: --steps must be >= 1, got 0",
             ["data", "--data_dir", str(tmp / "nowhere")],
-            f"python -m tutorial_lib.bench: error: image folder {tmp / 'nowhere'} does not exist",
+            f"python -m tutorial_lib.bench data: error: image folder {tmp / 'nowhere'} does not exist",
         ),
         "stress": (
             ["resume", "--trials", "0"],

@@ -123,7 +123,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                    'tutorial_lib/bench.py'),
                                     'tutorial_lib.bench.RepeatDataset.__len__': ( 'benchmarks.html#repeatdataset.__len__',
                                                                                   'tutorial_lib/bench.py'),
-                                    'tutorial_lib.bench._cmd_data': ('benchmarks.html#_cmd_data', 'tutorial_lib/bench.py'),
                                     'tutorial_lib.bench._cmd_gpu': ('benchmarks.html#_cmd_gpu', 'tutorial_lib/bench.py'),
                                     'tutorial_lib.bench._cmd_loop': ('benchmarks.html#_cmd_loop', 'tutorial_lib/bench.py'),
                                     'tutorial_lib.bench._json_line': ('benchmarks.html#_json_line', 'tutorial_lib/bench.py'),

@@ -635,12 +635,6 @@ def _cmd_loop(args: argparse.Namespace) -> None:
         )
     print(_json_line(result))
 
-
-def _cmd_data(args: argparse.Namespace) -> None:
-    from tutorial_lib.databench import format_data_benchmark, run_data_benchmark
-
-    print(format_data_benchmark(run_data_benchmark(args.data_dir, workers=args.workers)))  # table, then JSON
-
 # %% ../notebooks/10a_benchmarks.ipynb #46b2de5d
 def device_name(text: str) -> str:
     """An argparse `type=` for `--device`: anything `torch.device` accepts (cuda, cuda:1, cpu)."""
@@ -761,26 +755,23 @@ def get_args_parser() -> argparse.ArgumentParser:
     gpu.add_argument("--fp32", action="store_true", help="no autocast (otherwise bf16 autocast)")
     gpu.set_defaults(func=_cmd_gpu)
 
-    data = sub.add_parser(
+    sub.add_parser(  # listed here; `main` hands `data ...` to 07e's own parser and run
         "data",
-        formatter_class=HelpFormatter,
-        help="07's baseline vs fast input pipeline (tutorial_lib.databench.run_data_benchmark)",
-        description="torchvision's default input pipeline against 07's, images/s per worker.",
+        help="07's baseline vs fast input pipeline: `python -m tutorial_lib.databench` (07e) under this name, "
+        "with its flags (bench data --help)",
     )
-    data.add_argument(
-        "--data_dir",
-        type=user_path,
-        required=True,
-        default=argparse.SUPPRESS,
-        help="a folder of images (any depth); required",
-    )
-    data.add_argument("--workers", type=non_negative_int, default=1, help="DataLoader workers of each pipeline")
-    data.set_defaults(func=_cmd_data)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of `python -m tutorial_lib.bench`: 00a's `cli_main` (a wrong input is one line, exit status 2)."""
+    """Entry point of `python -m tutorial_lib.bench`: 00a's `cli_main` (a wrong input is one line, exit status 2).
+    `bench data ...` is 07e's `python -m tutorial_lib.databench ...`: its parser and its run, under this name."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["data"]:
+        from tutorial_lib import databench
+
+        prog = "python -m tutorial_lib.bench data"
+        return cli_main(databench.get_args_parser(prog), databench.run_command, argv[1:])
     cli_main(get_args_parser(), lambda args: args.func(args), argv)
 
 # %% ../notebooks/10a_benchmarks.ipynb #636857f7

@@ -301,11 +301,11 @@ def decode_batch_on_device(
     return torch.stack(out)
 
 # %% ../notebooks/07e_data_benchmarks.ipynb #06bb3713
-def get_args_parser() -> argparse.ArgumentParser:
-    """`python -m tutorial_lib.databench`: 00a's conventions (flags with underscores, every default in `--help`,
-    values checked where declared, one-line errors)."""
+def get_args_parser(prog: str = "python -m tutorial_lib.databench") -> argparse.ArgumentParser:
+    """`python -m tutorial_lib.databench`, also `python -m tutorial_lib.bench data` (10a, `prog`): 00a's conventions
+    (flags with underscores, every default in `--help`, values checked where declared, one-line errors)."""
     parser = OneLineParser(
-        prog="python -m tutorial_lib.databench",
+        prog=prog,
         formatter_class=HelpFormatter,
         description="torchvision's default input pipeline against 07's, images/s per worker "
         "(07e); ends with one JSON line",
