@@ -471,19 +471,19 @@ class MissingPathError(UserError, FileNotFoundError):
     below every module that reads a path (the data modules, checkpoints, the training script)."""
 
 # %% ../notebooks/00_introduction.ipynb #5a1e0f3c
-SIZE_UNITS = (("TB", 1e12, 2), ("GB", 1e9, 2), ("MB", 1e6, 1), ("kB", 1e3, 1), ("bytes", 1, 0))  # name, bytes, decimals
+SIZE_UNITS = ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("bytes", 1)
 
 
 def format_size(nbytes: float, smallest: str = "bytes") -> str:
     """`nbytes` as every message of the course states a size: SI units, 1 kB = 1,000 bytes, as disks, downloads and
     `df -H` count (binary units, 1,024s, would be KiB, MiB and GiB). The largest unit the size reaches, but at least
-    `smallest`: 999 -> "999 bytes", 31_539 -> "31.5 kB", 4.6e6 -> "4.6 MB", 5.2e9 -> "5.20 GB". A progress line
-    passes `smallest="MB"`, so that its figures keep one unit as they grow ("0.6 MB of 4.6 MB")."""
-    if smallest not in [name for name, _, _ in SIZE_UNITS]:
-        raise ValueError(f"smallest must be one of {[name for name, _, _ in SIZE_UNITS]}, got {smallest!r}")
-    for name, size, decimals in SIZE_UNITS:
+    `smallest`, with one decimal: 999 -> "999 bytes", 31_539 -> "31.5 kB", 4.6e6 -> "4.6 MB", 5.2e9 -> "5.2 GB".
+    A progress line passes `smallest="MB"`, so that its figures keep one unit as they grow ("0.6 MB of 4.6 MB")."""
+    if smallest not in dict(SIZE_UNITS):
+        raise ValueError(f"smallest must be one of {list(dict(SIZE_UNITS))}, got {smallest!r}")
+    for name, size in SIZE_UNITS:
         if nbytes >= size or name == smallest:
-            return f"{nbytes / size:.{decimals}f} {name}"
+            return f"{nbytes:.0f} bytes" if name == "bytes" else f"{nbytes / size:.1f} {name}"
 
 
 def check_free_space(
