@@ -441,4 +441,4 @@ def _ignore_signals_at_shutdown() -> None:
 
 
 # At exit Python runs its exit handlers and finalizers newest first: one made at import runs after those made since
-weakref.finalize(StopRequest, _ignore_signals_at_shutdown)
+_at_shutdown = weakref.finalize(StopRequest, _ignore_signals_at_shutdown)
