@@ -669,6 +669,12 @@ def test_bench_and_stress_flags_use_underscores_and_show_every_default():
         (["loop", "--batch-size", "4"], "python -m tutorial_lib.bench: error: unrecognized arguments: --batch-size 4"),
         (["loop", "--batch", "4"], "python -m tutorial_lib.bench: error: unrecognized arguments: --batch 4"),
         (["data"], "python -m tutorial_lib.bench data: error: the following arguments are required: --data_dir"),
+        (
+            ["loop", "--rounds", "3"],
+            "python -m tutorial_lib.bench loop: error: --rounds must be even (each loop goes first in half of the "
+            "rounds), got 3",
+        ),
+        (["loop", "--rounds", "0"], "python -m tutorial_lib.bench loop: error: --rounds must be >= 2, got 0"),
     ],
 )
 def test_bench_refuses_bad_values_in_one_line_with_exit_2(argv, message, capsys):
@@ -701,6 +707,21 @@ def test_bench_data_is_the_databench_command_under_another_name(monkeypatch, cap
         helps.append(capsys.readouterr().out)
     assert helps[0].startswith("usage: python -m tutorial_lib.bench data ")
     assert helps[0].split("\n\n", 1)[1] == helps[1].split("\n\n", 1)[1], "the same description and flags"
+
+
+def test_bench_data_refuses_a_file_given_as_data_dir_in_one_line_before_reading_it(tmp_path, capsys, monkeypatch):
+    import tutorial_lib.databench as databench
+    from tutorial_lib.bench import main
+
+    (tmp_path / "photos.zip").write_bytes(b"PK")
+    monkeypatch.setattr(databench, "DataLoader", lambda *a, **kw: pytest.fail("data was read"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["data", "--data_dir", str(tmp_path / "photos.zip")])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"python -m tutorial_lib.bench data: error: image folder {tmp_path / 'photos.zip'} is a file, not a folder: "
+        "check the path"
+    ]
 
 
 def test_bench_gpu_applies_dry_run_sizes_only_where_no_flag_was_given(monkeypatch, capsys):

@@ -360,6 +360,19 @@ def test_run_notebooks_cleans_only_the_notebooks_it_was_given(tmp_path):
     assert '"2\\n"' in one.read_text() and '"scrolled"' not in one.read_text(), "the one given ran and was cleaned"
 
 
+@pytest.mark.slow
+def test_a_failing_cell_names_its_notebook_too(tmp_path):
+    from nbclient.exceptions import CellExecutionError
+
+    fine = notebook(tmp_path / "01_fine.ipynb", "print(1)")
+    failing = notebook(tmp_path / "02_failing.ipynb", "x = 1 / 0")
+    with pytest.raises(CellExecutionError) as failed:
+        run_notebooks([fine, failing], smoke=True, timeout=120)
+    message = str(failed.value)
+    assert message.startswith(f"in {failing}: ") and "x = 1 / 0" in message and "ZeroDivisionError" in message
+    assert failed.value.ename == "ZeroDivisionError" and "01_fine" not in message
+
+
 def test_run_notebooks_refuses_a_file_that_is_not_a_notebook_in_one_line(tmp_path, capsys):
     from tutorial_lib.cli import main
 

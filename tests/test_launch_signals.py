@@ -34,7 +34,11 @@ from tutorial_lib.processes import CliResult, TrainingProcess, _running, child_e
 from tutorial_lib.runs import StopAtOnce, StopRequest
 
 ROOT = Path(__file__).resolve().parents[1]
-LONG = dict(CASE_RUN, epochs=40)  # 6 optimizer steps per epoch on one process: a signal lands during training
+# 6 optimizer steps per epoch on one process. The signal is sent once the first epoch is done; every run stops at
+# step STOP (epoch 10), the straight ones and the resumed ones alike, and is compared there: 9 epochs of room for the
+# signal to land in, and a 40-epoch schedule, so the learning rate still moves at every epoch.
+STOP = 60
+LONG = dict(CASE_RUN, epochs=40, stop_after_steps=STOP)
 ONE_PROCESS = ("accelerate", "accelerate_1gpu")  # `--num_processes 1` (plain subprocess), 1gpu.yaml (torchrun's agent)
 STOPPED = "checkpoint saved, resume with --resume_from_checkpoint latest"
 
@@ -47,15 +51,20 @@ def data(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, data) -> dict:
-    """model.safetensors of LONG never interrupted, on one process and on two."""
+    """The weights of LONG at step STOP, never interrupted, on one process and on two."""
     work = tmp_path_factory.mktemp("straight")
     digests = {}
     for processes, launcher in ((1, "fork"), (2, "accelerate_2proc")):
         options = {**LONG, "path_to_data": data, "working_directory": work, "experiment_name": f"p{processes}"}
         done = run_cli(as_flags(options), launcher=launcher, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
-        digests[processes] = sha256_file(work / f"p{processes}" / "model.safetensors")
+        digests[processes] = weights_at_stop(work / f"p{processes}")
     return digests
+
+
+def weights_at_stop(run_dir: Path) -> str:
+    """The hash of the model's weights in the checkpoint a LONG run saves when it stops at step STOP."""
+    return sha256_file(run_dir / "checkpoints" / f"step_{STOP:09d}" / "model.safetensors")
 
 
 def start(tmp_path, data, name, launcher, options=LONG) -> TrainingProcess:
@@ -80,14 +89,21 @@ def assert_checkpointed_and_resumes_identically(
     tmp_path, data, name, launcher, stopped: CliResult, signame: str, expected_sha: str
 ) -> None:
     """The run stopped after a step it names, with a checkpoint of that step; resumed, it ends with `expected_sha`."""
-    line = stopped_line(stopped)
-    assert f"({signame}): {STOPPED}" in line, line
-    step = int(line.split()[4].rstrip(","))
+    step = stopped_by_the_signal(stopped, signame)
     assert latest_checkpoint(tmp_path / "runs" / name).name == f"step_{step:09d}"
     assert not stopped.script_traceback, stopped.stderr[-3000:]
     resumed = start(tmp_path, data, name, launcher, {**LONG, "resume_from_checkpoint": "latest"}).result(600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert sha256_file(tmp_path / "runs" / name / "model.safetensors") == expected_sha
+    assert weights_at_stop(tmp_path / "runs" / name) == expected_sha
+
+
+def stopped_by_the_signal(stopped: CliResult, signame: str) -> int:
+    """The step the run stopped at, which must be the signal's doing (before STOP), said in its one line."""
+    line = stopped_line(stopped)
+    assert f"({signame}): {STOPPED}" in line, line
+    step = int(line.split()[4].rstrip(","))
+    assert step < STOP, f"the signal landed after --stop_after_steps {STOP}: {line}"
+    return step
 
 
 # --- 5. SIGTERM reaches the training on every launch path -------------------------------------------------
@@ -203,13 +219,11 @@ def test_a_signal_to_a_notebook_launcher_process_checkpoints_and_resumes_identic
     assert code == 128 + signum, (code, output[-3000:])
     stopped = CliResult(code, output, "", 0.0)
     assert "Traceback" not in output, output[-3000:]
-    line = stopped_line(stopped)
-    assert f"({signal.Signals(signum).name}): {STOPPED}" in line, line
-    step = int(line.split()[4].rstrip(","))
+    step = stopped_by_the_signal(stopped, signal.Signals(signum).name)
     assert latest_checkpoint(tmp_path / "runs" / "nb").name == f"step_{step:09d}"
     resumed = notebook_launch(tmp_path, data, "nb", processes, resume_from_checkpoint="latest")
     assert resumed.wait(600) == 0, (tmp_path / "nb.out").read_text()[-3000:]
-    assert sha256_file(tmp_path / "runs" / "nb" / "model.safetensors") == straight[processes]
+    assert weights_at_stop(tmp_path / "runs" / "nb") == straight[processes]
 
 
 @pytest.mark.slow

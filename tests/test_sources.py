@@ -474,6 +474,22 @@ def test_presized_shards_keep_small_images_bytes_and_shrink_the_others_as_their_
     assert plain["written"] == 2 and shard_rows(out) == {p: (src / "train" / p).read_bytes() for p in rows}
 
 
+def test_the_free_space_check_of_presized_shards_counts_them_by_the_images_sizes(tmp_path, monkeypatch):
+    src = photo_tree(tmp_path / "photos")
+    source_bytes = sum(f.stat().st_size for f in src.rglob("*.JPEG"))  # 10 photos, longer sides 400 to 500 px
+    free = {"bytes": source_bytes // 2}
+    monkeypatch.setattr(data_module.shutil, "disk_usage", lambda path: type("Usage", (), {"free": free["bytes"]})())
+    with pytest.raises(DataSourceError, match="needs .* free"):
+        write_shards(src, tmp_path / "plain", log=lambda s: None)  # as they are, the photos do not fit
+    done = write_shards(src, tmp_path / "small", max_side=200, log=lambda s: None)  # about a fifth of the pixels
+    written = sum(f.stat().st_size for f in (tmp_path / "small" / "data").glob("*.parquet"))
+    assert done["written"] == 2 and done["presized"]["resized"] == 10 and written < free["bytes"]
+    free["bytes"] = source_bytes // 20
+    with pytest.raises(DataSourceError, match=r"for the shards \(pre-sized, estimated\): it needs about"):
+        write_shards(src, tmp_path / "tiny", max_side=200, log=lambda s: None)
+    assert not (tmp_path / "tiny").exists(), "refused before writing"
+
+
 @pytest.mark.slow
 def test_presized_shards_train_bit_identically_to_a_folder_of_the_same_reencoded_images(tmp_path):
     from PIL import Image

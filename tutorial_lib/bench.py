@@ -56,7 +56,8 @@ from tutorial_lib.timing import (
 __all__ = ['LOOP_DEFAULTS', 'SYNTHETIC_CONFIGS', 'JPEG_SUFFIXES', 'DEFAULT_JPEG_DIR', 'GPU_DEFAULTS', 'DRY_RUN',
            'FixedBatchDataset', 'make_our_step', 'run_loop_benchmark', 'make_train_step', 'build_synthetic_run',
            'measure_steps', 'RepeatDataset', 'jpeg_files_and_labels', 'linked_image_folder', 'decode_on_side_stream',
-           'jpeg_batches', 'run_gpu_benchmark', 'format_gpu_table', 'device_name', 'get_args_parser', 'main']
+           'jpeg_batches', 'run_gpu_benchmark', 'format_gpu_table', 'device_name', 'even_rounds', 'get_args_parser',
+           'main']
 
 # %% ../notebooks/10a_benchmarks.ipynb #4c857651
 LOOP_DEFAULTS = dict(
@@ -645,6 +646,15 @@ def device_name(text: str) -> str:
     return text
 
 
+def even_rounds(text: str) -> int:
+    """An argparse `type=` for `bench loop --rounds`: an even number >= 2, so that each loop goes first equally often
+    (`alternate` swaps the order every round); an odd count would favour the loop that goes first once more."""
+    rounds = number_flag(int, 2)(text)
+    if rounds % 2:
+        raise argparse.ArgumentTypeError(f"must be even (each loop goes first in half of the rounds), got {rounds}")
+    return rounds
+
+
 # flag -> (name in LOOP_DEFAULTS / GPU_DEFAULTS, type, help); names as the training script spells them (08a)
 _SIZE_FLAGS = {
     "model": ("arch", model_name, "torchvision model, or tinycnn"),
@@ -655,7 +665,7 @@ _SIZE_FLAGS = {
 # the other numbers of `bench loop`, in the same form (defaults: LOOP_DEFAULTS)
 _LOOP_FLAGS = {
     "steps": ("steps", positive_int, "steps per round"),
-    "rounds": ("rounds", positive_int, "timed rounds per loop (even: each loop goes first equally often)"),
+    "rounds": ("rounds", even_rounds, "timed rounds per loop (even: each loop goes first equally often)"),
     "warmup_rounds": ("warmup_rounds", non_negative_int, "untimed rounds first"),
     "learning_rate": ("lr", positive_float, "SGD learning rate"),
     "momentum": ("momentum", number_flag(float, 0, 1, high_open=True), "SGD momentum"),

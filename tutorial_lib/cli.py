@@ -610,9 +610,10 @@ def run_notebooks(
     (`library_fingerprint`, for `stale_outputs`), then runs `nbdev-clean` (with `clean`) on those files only: how the
     committed outputs are made. Smoke mode only checks that they run and leaves the files alone.
     Before anything runs, a path that is missing, not a notebook or (in full mode) not writable is a `UserError`.
-    A failing cell raises `nbclient`'s error naming the notebook and the cell."""
+    A failing cell raises `nbclient`'s `CellExecutionError`, its message headed by the notebook's path."""
     import nbclient
     import nbformat
+    from nbclient.exceptions import CellExecutionError
 
     paths = [Path(p) for p in paths]
     missing = [str(p) for p in paths if not p.is_file()]
@@ -633,9 +634,13 @@ def run_notebooks(
             nb = nbformat.read(path, as_version=4)
             modules = library_fingerprint(nb.cells)  # the sources as they are when the kernel imports them
             start = time.perf_counter()
-            nbclient.NotebookClient(
+            client = nbclient.NotebookClient(
                 nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
-            ).execute()
+            )
+            try:
+                client.execute()
+            except CellExecutionError as err:  # nbclient shows the cell, not which notebook it is in
+                raise CellExecutionError(f"in {path}: {err}", err.ename, err.evalue) from None
             seconds[path.name] = time.perf_counter() - start
             print(f"{path.name}: {seconds[path.name]:.0f} s ({'smoke' if smoke else 'full'} mode)", flush=True)
             if not smoke:

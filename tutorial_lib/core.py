@@ -27,7 +27,7 @@ __all__ = ['SMOKE_ENV_VAR', 'IMAGENET_TRAIN_IMAGES', 'RECIPE_EPOCHS', 'PEAK_BF16
            'count_training_flops', 'training_time_seconds', 'peak_flops_for', 'mfu_unknown_note', 'mfu',
            'peak_memory_bytes', 'StepClock', 'StepTimer', 'global_batch_size', 'environment_report', 'bf16_supported',
            'accelerate_cli', 'cpu_launch_config', 'read_process_states', 'launch_state_probe', 'UserError',
-           'MissingPathError', 'format_size', 'check_free_space']
+           'MissingPathError', 'format_size', 'free_space', 'check_free_space']
 
 # %% ../notebooks/00_introduction.ipynb #a4f4ab1f
 SMOKE_ENV_VAR = "TUTORIAL_SMOKE"
@@ -486,16 +486,21 @@ def format_size(nbytes: float, smallest: str = "bytes") -> str:
             return f"{nbytes:.0f} bytes" if name == "bytes" else f"{nbytes / size:.1f} {name}"
 
 
+def free_space(folder: str | os.PathLike) -> int:
+    """Free bytes on the disk of `folder`, which need not exist yet: its nearest existing parent is on the disk it
+    will be on."""
+    folder = Path(folder)
+    return shutil.disk_usage(next((p for p in [folder, *folder.parents] if p.exists()), folder)).free
+
+
 def check_free_space(
     folder: str | os.PathLike, need: int, what: str, elsewhere: str, error: type[UserError] = UserError
 ) -> None:
     """Refuse (`error`, one line) a job of about `need` bytes that the disk of `folder` cannot hold: at its start,
-    not when the disk fills halfway. `folder` need not exist yet: its nearest existing parent is on the disk it will
-    be on. The line names `what` needs the space and the flag or folder to choose `elsewhere`; used for a run's
-    checkpoints (06b) and the data tools' outputs (07b)."""
-    folder = Path(folder)
-    probe = next((p for p in [folder, *folder.parents] if p.exists()), folder)
-    free = shutil.disk_usage(probe).free
+    not when the disk fills halfway (`folder` need not exist yet: `free_space`). The line names `what` needs the
+    space and the flag or folder to choose `elsewhere`; used for a run's checkpoints (06b) and the data tools'
+    outputs (07b)."""
+    free = free_space(folder)
     if free < need:
         raise error(
             f"not enough space on the disk of {folder} for {what}: it needs about {format_size(need)}, "

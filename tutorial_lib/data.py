@@ -32,7 +32,7 @@ from tutorial_lib.cli import (
     shown_path,
     user_path,
 )
-from .core import MissingPathError, UserError, check_free_space, format_size, in_notebook
+from .core import MissingPathError, UserError, check_free_space, format_size, free_space, in_notebook
 from tutorial_lib.sources import (
     IMG_EXTENSIONS,
     OFFICIAL_ARCHIVES,
@@ -508,7 +508,18 @@ def write_shards(
         + (f"{changed} out of date (their images or labels changed since: rebuilt), " if changed else "")
         + f"{format_size(needed, smallest='MB')} to write"  # in the unit of the progress lines that follow
     )
-    check_free_space(out, needed, "the shards", "output folder", DataSourceError)
+    to_write = needed  # the bytes to read, written as they are unless pre-sized
+    if settings and needed > free_space(out):  # pre-sized shards are smaller: estimate them from the images'
+        presizer = Presizer(**settings)  # headers, read only now (one more small read per image)
+        to_write = round(
+            sum(
+                presizer.estimated_size(path, size)
+                for _, _, samples, sizes, (a, b), *_ in todo
+                for (path, _), size in zip(samples[a:b], sizes[a:b])
+            )
+        )
+    what = "the shards" + (" (pre-sized, estimated)" if settings else "")
+    check_free_space(out, to_write, what, "output folder", DataSourceError)
     out.mkdir(parents=True, exist_ok=True)
     lock = os.open(out.parent / ".shard.lock", os.O_RDWR | os.O_CREAT, 0o644)  # one run at a time: a second one
     try:  # would remove the first's temporary shards; the OS drops the lock of a killed run

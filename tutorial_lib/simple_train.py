@@ -16,7 +16,6 @@ import socket
 import sys
 import time
 import urllib.parse
-import uuid
 from pathlib import Path
 
 import torch
@@ -31,10 +30,9 @@ from torchmetrics.classification import MulticlassAccuracy
 from torchvision import datasets, transforms
 
 # %% auto #0
-__all__ = ['NORMS', 'COUNT', 'ONE_AT_MOST', 'AT_LEAST_0', 'EpochSeeded', 'read_image', 'visible_image', 'load_data',
-           'build_model', 'param_groups', 'build_scheduler', 'RunState', 'train_one_epoch', 'evaluate', 'completed',
-           'save_checkpoint', 'end_epoch', 'claim_folder', 'build_loaders', 'start_run', 'main', 'OneLineParser',
-           'within', 'get_args_parser']
+__all__ = ['NORMS', 'EpochSeeded', 'read_image', 'visible_image', 'load_data', 'build_model', 'param_groups', 'build_scheduler',
+           'RunState', 'train_one_epoch', 'evaluate', 'completed', 'save_checkpoint', 'end_epoch', 'claim_folder',
+           'build_loaders', 'start_run', 'main', 'OneLineParser', 'within', 'get_args_parser']
 
 # %% ../notebooks/08_training_script.ipynb #bdef9855
 class EpochSeeded(torch.utils.data.Dataset):
@@ -68,8 +66,7 @@ def load_data(args) -> tuple:
     normalize = transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])  # ImageNet's mean and std
     crop = transforms.RandomResizedCrop(args.img_size, scale=(args.min_crop_scale, 1.0))
     train_tf = transforms.Compose([crop, transforms.RandomHorizontalFlip(), transforms.ToTensor(), normalize])
-    # fixed (08b): the video resized to a 256 x 256 square, squashing every photo that is not; V1 resizes the short side
-    resize = transforms.Resize(args.img_size * 256 // 224)
+    resize = transforms.Resize(args.img_size * 256 // 224)  # fixed (08b): short side; the video squashed to 256 x 256
     val_tf = transforms.Compose([resize, transforms.CenterCrop(args.img_size), transforms.ToTensor(), normalize])
     root = Path(args.path_to_data)
     splits = [(root / "train", train_tf), (root / "val" if (root / "val").is_dir() else root / "validation", val_tf)]
@@ -151,8 +148,7 @@ def train_one_epoch(model, optimizer, scheduler, train_loader, accelerator, stat
         state.batches_done += 1
         if accelerator.sync_gradients:  # an optimizer step just happened
             lr = scheduler.get_last_lr()[0]  # the lr this step used
-            # fixed (05): the video stepped StepLR per epoch with .step(epoch), one epoch late: this one ticks per step
-            scheduler.step()
+            scheduler.step()  # fixed (05): the video stepped StepLR per epoch with .step(epoch), one epoch late
             state.step += 1
             if args.checkpoint_every_steps and state.step % args.checkpoint_every_steps == 0 and state.batches_done < n:
                 save_checkpoint(accelerator, state, args, run_dir)
@@ -245,7 +241,7 @@ def claim_folder(args, run_dir: Path, batch: int) -> list:
         return [f"{checkpoint} holds a {done['model']}: resume it with --model {done['model']}"]
     if done.get("batches_done") and done["batch"] != batch:  # the batches it did mid-epoch held other images
         return [f"{checkpoint} stopped mid-epoch with --batch_size x processes = {done['batch']}, not {batch}"]
-    (run_dir / "run_id").write_text(run_id := done.get("run") or owner or uuid.uuid4().hex[:8])  # the folder's run
+    (run_dir / "run_id").write_text(run_id := done.get("run") or owner or os.urandom(4).hex())  # the folder's run
     return [None, run_id, checkpoint, lock]
 
 
@@ -351,13 +347,11 @@ def within(low: float, high: float = math.inf, kind: type = float):
     return parse
 
 
-COUNT, ONE_AT_MOST, AT_LEAST_0 = within(1, kind=int), within(0, 1), within(0)
-
-
 def get_args_parser() -> argparse.ArgumentParser:
     about = "Train an image classifier (ResNet50 on ImageNet by default) with Accelerate."
     batch = "--batch_size is PER PROCESS: global batch = batch_size x gradient_accumulation_steps x processes."
     formatter = argparse.ArgumentDefaultsHelpFormatter
+    COUNT, ONE_AT_MOST, AT_LEAST_0 = within(1, kind=int), within(0, 1), within(0)  # the flags' types
     parser = OneLineParser(prog="simple_train", description=about, epilog=batch, formatter_class=formatter)
     add = parser.add_argument_group("the video's flags").add_argument  # its names; defaults: torchvision's V1 recipe
     add("--experiment_name", default="resnet50_imagenet", help="outputs go to <working_directory>/<experiment_name>/")
@@ -388,9 +382,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add("--min_crop_scale", type=ONE_AT_MOST, default=0.08, help="smallest area fraction a random crop keeps")
     add("--label_smoothing", type=ONE_AT_MOST, default=0.0, help="weight of the uniform distribution in the targets")
     add("--zero_init_residual", action="store_true", help="each residual block starts as the identity (ResNets)")
-    add(
-        "--seed", type=within(0, 9_999_999, int), default=0, help="seeds the weights, the order, the crops (in 64 bits)"
-    )
+    add("--seed", type=within(0, 9_999_999, int), default=0, help="seeds the weights, order and crops (in 64 bits)")
     add("--cpu", action="store_true", help="train on the CPU even if a GPU is present")
     add("--mixed_precision", choices=["no", "bf16", "fp16"], default=None, help="None: what accelerate config says")
     add("--log_with", choices=["wandb", "none"], default="wandb", help="wandb logs offline when it cannot log online")

@@ -172,6 +172,15 @@ def _walk_images(
     return sorted(files)
 
 
+def _image_folder(folder: str | os.PathLike) -> Path:
+    """`folder` as a Path, refused in one line unless it is a folder: missing, or a file given in its place."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        problem = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise MissingPathError(f"image folder {folder} {problem}: check the path")
+    return folder
+
+
 def scan_image_folder(
     folder: str | os.PathLike, report: ScanReport | None = None
 ) -> tuple[list[str], list[tuple[str, int]]]:
@@ -181,10 +190,8 @@ def scan_image_folder(
     class folders (a half-prepared ILSVRC2012 val folder) and empty class folders. Each folder is
     read once even when links lead to it again; hidden entries (names starting with '.') and files
     without an image extension are left out and listed in `report` (07a §1)."""
-    folder = Path(folder)
+    folder = _image_folder(folder)
     report = report if report is not None else ScanReport(str(folder))
-    if not folder.is_dir():
-        raise MissingPathError(f"image folder {folder} does not exist: check the path")
     entries = sorted(os.scandir(folder), key=lambda e: e.name)
     class_dirs = [e.name for e in entries if e.is_dir() and not e.name.startswith(".")]
     loose = [e.name for e in entries if e.is_file() and is_image_name(e.name)]
@@ -238,9 +245,7 @@ def list_images(folder: str | os.PathLike, extensions: tuple[str, ...] = IMG_EXT
     sorted as strings: the file lists of the benchmarks (07e, 10a). Hidden names (`.DS_Store`, macOS's
     `._x.JPEG`, `.ipynb_checkpoints/`) and dangling links are left out, and each folder is entered once even
     through links; a clear error when nothing is left."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise MissingPathError(f"image folder {folder} does not exist: check the path")
+    folder = _image_folder(folder)
     found = _walk_images(str(folder), {os.path.realpath(folder)}, ScanReport(str(folder)), extensions)
     files = [f for f in found if os.path.isfile(f)]  # a benchmark cannot read a dangling link either
     if not files:

@@ -434,6 +434,17 @@ class Presizer:
         self.counts["kept" if small is None else "resized"] += 1
         return data if small is None else small
 
+    def estimated_size(self, path: str | os.PathLike, size: int) -> float:
+        """About what the image at `path` (of `size` bytes) weighs once pre-sized, from its header alone (no
+        decoding): kept, `size`; shrunk, `size` scaled like its pixels, x (max_side / longer side)^2: an estimate,
+        as a JPEG's bytes follow its pixels only roughly. An unreadable file is kept as it is: `size`."""
+        try:
+            with Image.open(path) as im:  # reads the header only
+                longer = max(im.size)
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+            return size
+        return size * min(1.0, (self.settings["max_side"] / longer) ** 2)
+
     def _shrink(self, data: bytes, height: int, width: int) -> bytes:
         scale = self.settings["max_side"] / max(height, width)
         size = (max(1, round(width * scale)), max(1, round(height * scale)))
