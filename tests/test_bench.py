@@ -7,6 +7,7 @@ notebook 10 measures with them, so their tests import them from there."""
 import copy
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -401,6 +402,24 @@ def test_jpeg_listing_labels_flat_folders_by_name_prefix(jpeg_folder):
         jpeg_files_and_labels(jpeg_folder / "missing")
 
 
+def test_jpeg_listing_is_the_data_modules_listing_of_jpegs(jpeg_folder, tmp_path):
+    from tutorial_lib.core import MissingPathError
+    from tutorial_lib.sources import list_images
+
+    folder = tmp_path / "classes"
+    for name in ("n01", "n02"):
+        shutil.copytree(jpeg_folder, folder / name)
+    (folder / "n01" / "._n00_thing0.JPEG").write_bytes(b"\0\5\26\7")  # what macOS leaves: not a JPEG
+    (folder / "n02" / "moved.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    (folder / "n03").mkdir()  # an empty class folder is no class
+    (folder / "n02" / "x.png").write_bytes((jpeg_folder / "n00_thing0.JPEG").read_bytes())
+    files, labels, classes = jpeg_files_and_labels(folder)
+    assert [str(f) for f in files] == list_images(folder, (".jpg", ".jpeg")) and len(files) == 12
+    assert classes == ["n01", "n02"] and labels == [0] * 6 + [1] * 6
+    with pytest.raises(MissingPathError, match="--data_dir"):
+        jpeg_files_and_labels(folder / "missing")
+
+
 def test_linked_folder_gives_a_flat_folder_the_imagefolder_layout(jpeg_folder, tmp_path):
     from tutorial_lib.loading import build_datasets
 
@@ -610,11 +629,13 @@ def subcommand_parsers(parser):
 
 def test_bench_and_stress_flags_use_underscores_and_show_every_default():
     from tutorial_lib.bench import get_args_parser as bench_parser
+    from tutorial_lib.databench import get_args_parser as data_parser
     from tutorial_lib.stress import get_args_parser as stress_parser
 
     checked = 0
     for parser in (bench_parser(), stress_parser()):
-        for name, sub in subcommand_parsers(parser).items():
+        commands = {**subcommand_parsers(parser), **({"data": data_parser()} if parser.prog.endswith("bench") else {})}
+        for name, sub in commands.items():  # bench data: databench's parser, under the name bench data
             helps = flag_helps(sub.format_help())
             flags = [s for a in sub._actions for s in a.option_strings if s.startswith("--") and s != "--help"]
             assert set(flags) <= set(helps), (name, set(flags) - set(helps))
@@ -665,6 +686,29 @@ def test_bench_refuses_bad_values_in_one_line_with_exit_2(argv, message, capsys)
     assert capsys.readouterr().err.splitlines() == [message], "one line, no usage block"
 
 
+def test_bench_data_is_the_databench_command_under_another_name(monkeypatch, capsys):
+    import tutorial_lib.bench as bench
+    import tutorial_lib.databench as databench
+
+    seen = []
+    monkeypatch.setattr(databench, "run_data_benchmark", lambda data_dir, **kw: seen.append((data_dir, kw)) or {})
+    monkeypatch.setattr(databench, "print_data_benchmark", lambda result: print("the table"))
+    monkeypatch.setenv("HOME", "/home/me")
+    argv = ["--data_dir", "~/photos", "--workers", "0", "--img_size", "64", "--max_images", "10", "--no_parquet"]
+    bench.main(["data", *argv])
+    databench.main(argv)
+    assert seen[0] == seen[1] and seen[0][0] == "/home/me/photos", seen
+    assert seen[0][1]["img_size"] == 64 and seen[0][1]["max_images"] == 10 and seen[0][1]["parquet"] is False
+    assert capsys.readouterr().out == "the table\n" * 2
+    helps = []
+    for main, args in ((bench.main, ["data", "--help"]), (databench.main, ["--help"])):
+        with pytest.raises(SystemExit):
+            main(args)
+        helps.append(capsys.readouterr().out)
+    assert helps[0].startswith("usage: python -m tutorial_lib.bench data ")
+    assert helps[0].split("\n\n", 1)[1] == helps[1].split("\n\n", 1)[1], "the same description and flags"
+
+
 def test_bench_data_refuses_a_file_given_as_data_dir_in_one_line_before_reading_it(tmp_path, capsys, monkeypatch):
     import tutorial_lib.databench as databench
     from tutorial_lib.bench import main
@@ -675,7 +719,7 @@ def test_bench_data_refuses_a_file_given_as_data_dir_in_one_line_before_reading_
         main(["data", "--data_dir", str(tmp_path / "photos.zip")])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"python -m tutorial_lib.bench: error: image folder {tmp_path / 'photos.zip'} is a file, not a folder: "
+        f"python -m tutorial_lib.bench data: error: image folder {tmp_path / 'photos.zip'} is a file, not a folder: "
         "check the path"
     ]
 

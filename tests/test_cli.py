@@ -5,6 +5,7 @@ import inspect
 import io
 import json
 import pkgutil
+import re
 import warnings
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from tutorial_lib.cli import (
     positive_int,
     run_notebooks,
     stale_outputs,
+    user_path,
 )
 from tutorial_lib.core import UserError
 
@@ -89,7 +91,7 @@ def command_lines(tmp: Path) -> dict:
             ["loop", "--steps", "0"],
             "python -m tutorial_lib.bench loop: error: --steps must be >= 1, got 0",
             ["data", "--data_dir", str(tmp / "nowhere")],
-            f"python -m tutorial_lib.bench: error: image folder {tmp / 'nowhere'} does not exist",
+            f"python -m tutorial_lib.bench data: error: image folder {tmp / 'nowhere'} does not exist",
         ),
         "stress": (
             ["resume", "--trials", "0"],
@@ -143,6 +145,44 @@ def test_every_command_line_says_a_bad_flag_and_a_wrong_input_in_one_line_with_s
         err = capsys.readouterr().err
         assert status == 2 and err.count("\n") == 1 and err.startswith(start), (argv, status, err)
         assert "Traceback" not in err
+
+
+# Every argument that names a file or folder, by its dest: each must expand `~` through `user_path`, the one place.
+PATH_ARGUMENTS = {
+    "notebooks", "dest", "val_dir", "mapping", "out", "src", "archive_dir",  # tutorial-lib, the data tools
+    "working_directory", "path_to_data", "resume_from_checkpoint", "data_dir", "workdir",  # training, benchmarks
+}  # fmt: skip
+
+
+def library_parsers() -> list:
+    """Every parser of the library's command lines (subcommands included); `simple_train` (08) is a standalone
+    script that imports nothing of the library, so it has no `user_path` to use."""
+    import argparse
+
+    from tutorial_lib import bench, cli, data, databench, flags, stress
+
+    parsers = [m.get_args_parser() for m in (cli, data, databench, bench, stress, flags)]
+    for parser in list(parsers):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers += list(action.choices.values())
+    return parsers
+
+
+def test_every_path_flag_expands_tilde_through_user_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    found = {}
+    for parser in library_parsers():
+        for action in parser._actions:
+            if action.dest in PATH_ARGUMENTS:
+                found[f"{parser.prog} {action.dest}"] = action.type
+    assert {key.rsplit(" ", 1)[1] for key in found} == PATH_ARGUMENTS, "a path argument no command line has"
+    named_like_paths = {
+        a.dest for p in library_parsers() for a in p._actions if re.search(r"(dir|path|directory|folder)$", a.dest)
+    }
+    assert named_like_paths <= PATH_ARGUMENTS, f"path arguments to add to PATH_ARGUMENTS: {named_like_paths}"
+    assert {key for key, kind in found.items() if kind is not user_path} == set()
+    assert user_path("~/x") == str(tmp_path / "x") and user_path("a/~") == "a/~"
 
 
 def toy_parser() -> OneLineParser:

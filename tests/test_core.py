@@ -8,8 +8,11 @@ import torch
 from kernel_helpers import run_in_kernel, short_tmpdir
 
 from tutorial_lib.core import (
+    UserError,
     bf16_supported,
+    check_free_space,
     environment_report,
+    format_size,
     free_port,
     global_batch_size,
     smoke_mode,
@@ -26,6 +29,52 @@ def test_global_batch_is_the_product_of_micro_batch_accumulation_and_processes()
 def test_global_batch_refuses_non_positive_integers(bad):
     with pytest.raises(ValueError, match="positive integer"):
         global_batch_size(*bad)
+
+
+def test_sizes_are_said_in_si_units_the_largest_one_they_reach():
+    sizes = (0, 999, 31_539, 233_472, 4.6e6, 5.2e9, 3e12)
+    assert [format_size(n) for n in sizes] == [
+        "0 bytes",
+        "999 bytes",
+        "31.5 kB",
+        "233.5 kB",
+        "4.6 MB",
+        "5.2 GB",
+        "3.0 TB",
+    ]
+    # a progress line keeps MB as its smallest unit: the figures of a growing job stay comparable
+    assert [format_size(n, smallest="MB") for n in (0, 40_000, 600_000, 4.6e6, 5.2e9)] == [
+        "0.0 MB",
+        "0.0 MB",
+        "0.6 MB",
+        "4.6 MB",
+        "5.2 GB",
+    ]
+    with pytest.raises(ValueError, match="smallest must be one of"):
+        format_size(1, smallest="KB")
+
+
+def test_free_space_is_checked_on_the_disk_a_new_folder_will_be_on(tmp_path, monkeypatch):
+    asked = []
+
+    def disk_usage(path):
+        asked.append(Path(path))
+        return type("Usage", (), {"free": 40_000})()
+
+    monkeypatch.setattr("shutil.disk_usage", disk_usage)
+
+    class ShardError(UserError):
+        pass
+
+    out = tmp_path / "not" / "yet"
+    check_free_space(out, 40_000, "the shards", "output folder", ShardError)  # exactly what is free: fits
+    with pytest.raises(ShardError) as refused:
+        check_free_space(out, 2_500_000, "the shards", "output folder", ShardError)
+    assert asked == [tmp_path, tmp_path], "the nearest folder that exists is on the disk `out` will be on"
+    assert str(refused.value) == (
+        f"not enough space on the disk of {out} for the shards: it needs about 2.5 MB, 40.0 kB are free; "
+        "free some space or choose another output folder"
+    )
 
 
 def test_smoke_mode_reads_the_environment_variable(monkeypatch):

@@ -502,6 +502,21 @@ def test_list_images_follows_links_but_enters_each_folder_once(tmp_path):
     assert list_images(folder) == [str(folder / "a.JPEG")]
 
 
+def test_list_images_keeps_the_extensions_asked_and_leaves_out_hidden_names_and_dangling_links(tmp_path):
+    folder = tmp_path / "photos"
+    for path in [folder / "b" / "x.JPEG", folder / "a-b" / "y.jpg", folder / "a" / "._z.jpg"]:  # ._: macOS's
+        save(photo_like(), path)
+    save(photo_like(), folder / "a" / "z.png", fmt="PNG")
+    save(photo_like(), folder / ".ipynb_checkpoints" / "w.jpg")
+    (folder / "empty_class").mkdir()  # harmless: a listing has no classes to refuse
+    (folder / "b" / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    names = [str(folder / name) for name in ("a-b/y.jpg", "a/z.png", "b/x.JPEG")]  # sorted as strings
+    assert list_images(folder) == names
+    assert list_images(folder, (".jpg", ".jpeg")) == [names[0], names[2]]
+    with pytest.raises(DataLayoutError, match=r"no images \(\.jpg/\.jpeg\) under"):
+        list_images(folder / "a", (".jpg", ".jpeg"))
+
+
 # ---------------------------------------------------------------- bad inputs: skipping, counted and exact
 
 

@@ -437,10 +437,10 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_at_start_in_sensible_uni
         small_disk=(disk, "150k"),
     )
     line = assert_one_line_error(
-        done, f"not enough space on the disk of {disk / 'small'} for a checkpoint: one needs about "
+        done, f"not enough space on the disk of {disk / 'small'} for a checkpoint: it needs about "
     )
     assert re.fullmatch(
-        r".*one needs about 2\d\d KB, 1\d\d KB are free; free some space or choose another "
+        r".*it needs about 2\d\d\.\d kB, 1\d\d\.\d kB are free; free some space or choose another "
         r"--working_directory",
         line,
     ), line
@@ -459,10 +459,10 @@ def test_a_disk_that_fills_at_the_final_save_is_one_line_in_sensible_units(tmp_p
         small_disk=(disk, "300k"),
     )
     line = assert_one_line_error(
-        done, f"no space left on the disk of {disk / 'full'} while saving the final model: it needs about 92.9 KB, "
+        done, f"no space left on the disk of {disk / 'full'} while saving the final model: it needs about 95.1 kB, "
     )
     assert re.fullmatch(
-        r".*needs about 92\.9 KB, \d+(\.\d+)? KB are free; .*\(from step_000000006, which is intact\)", line
+        r".*needs about 95\.1 kB, \d+(\.\d+)? kB are free; .*\(from step_000000006, which is intact\)", line
     )
 
 
@@ -654,14 +654,11 @@ def test_a_crafted_checkpoint_whose_manifest_matches_is_refused_in_one_line(
     )
 
 
-def test_sizes_are_said_in_a_unit_that_reads():
-    from tutorial_lib.checkpoints import format_bytes
+def test_a_checkpoint_that_cannot_fit_is_a_disk_full_error_naming_the_working_directory(tmp_path):
+    from tutorial_lib.checkpoints import DiskFullError
+    from tutorial_lib.runs import check_checkpoint_space
 
-    assert [format_bytes(n) for n in (0, 999, 233472, 5.2e9, 97_517, 2**40 * 3)] == [
-        "0 bytes",
-        "999 bytes",
-        "228 KB",
-        "4.84 GB",
-        "95.2 KB",
-        "3 TB",
-    ]
+    free = shutil.disk_usage(tmp_path).free
+    check_checkpoint_space(tmp_path, need=1)
+    with pytest.raises(DiskFullError, match=r"for a checkpoint: it needs about .* choose another --working_directory"):
+        check_checkpoint_space(tmp_path, need=2 * free)

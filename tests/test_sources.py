@@ -485,7 +485,7 @@ def test_the_free_space_check_of_presized_shards_counts_them_by_the_images_sizes
     written = sum(f.stat().st_size for f in (tmp_path / "small" / "data").glob("*.parquet"))
     assert done["written"] == 2 and done["presized"]["resized"] == 10 and written < free["bytes"]
     free["bytes"] = source_bytes // 20
-    with pytest.raises(DataSourceError, match=r"writing the shards \(pre-sized, estimated\) needs"):
+    with pytest.raises(DataSourceError, match=r"for the shards \(pre-sized, estimated\): it needs about"):
         write_shards(src, tmp_path / "tiny", max_side=200, log=lambda s: None)
     assert not (tmp_path / "tiny").exists(), "refused before writing"
 

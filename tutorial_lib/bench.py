@@ -28,8 +28,10 @@ from tutorial_lib.cli import (
     number_flag,
     positive_float,
     positive_int,
+    user_path,
 )
 from tutorial_lib.core import (
+    MissingPathError,
     count_training_flops,
     in_notebook,
     mfu,
@@ -213,7 +215,7 @@ SYNTHETIC_CONFIGS: dict[str, dict] = {
     "channels_last": dict(channels_last=True, compile=False),
     "channels_last_compile": dict(channels_last=True, compile=True),
 }
-JPEG_SUFFIXES = {".jpg", ".jpeg"}
+JPEG_SUFFIXES = (".jpg", ".jpeg")
 
 
 def make_train_step(
@@ -326,14 +328,15 @@ class RepeatDataset(torch.utils.data.Dataset):
 def jpeg_files_and_labels(
     folder: str | os.PathLike, max_files: int | None = None
 ) -> tuple[list[Path], list[int], list[str]]:
-    """The JPEG files under `folder` (at most `max_files`, evenly spread) with integer labels: the
-    sub-folder name, or for a flat folder the file name's prefix before `_` (`n01440764_tench.JPEG` → `n01440764`)."""
+    """The JPEG files under `folder` (07a's `list_images`: at most `max_files`, evenly spread) with integer labels:
+    the sub-folder name, or for a flat folder the file name's prefix before `_` (`n01440764_tench.JPEG` →
+    `n01440764`)."""
+    from tutorial_lib.sources import list_images
+
     root = Path(folder)
     if not root.is_dir():
-        raise FileNotFoundError(f"no folder {root}; pass --data_dir with a folder of JPEG files")
-    files = sorted(p for p in root.rglob("*") if p.suffix.lower() in JPEG_SUFFIXES and p.is_file())
-    if not files:
-        raise FileNotFoundError(f"no .jpg/.jpeg files under {root}; pass --data_dir with a folder of JPEG files")
+        raise MissingPathError(f"no folder {root}; pass --data_dir with a folder of JPEG files")
+    files = [Path(f) for f in list_images(root, JPEG_SUFFIXES)]
     if max_files is not None and len(files) > max_files:
         files = files[:: len(files) // max_files][:max_files]
     names = [p.parent.name if p.parent != root else p.stem.split("_")[0] for p in files]
@@ -633,12 +636,6 @@ def _cmd_loop(args: argparse.Namespace) -> None:
         )
     print(_json_line(result))
 
-
-def _cmd_data(args: argparse.Namespace) -> None:
-    from tutorial_lib.databench import format_data_benchmark, run_data_benchmark
-
-    print(format_data_benchmark(run_data_benchmark(args.data_dir, workers=args.workers)))  # table, then JSON
-
 # %% ../notebooks/10a_benchmarks.ipynb #46b2de5d
 def device_name(text: str) -> str:
     """An argparse `type=` for `--device`: anything `torch.device` accepts (cuda, cuda:1, cpu)."""
@@ -743,6 +740,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     gpu.add_argument(
         "--data_dir",
+        type=user_path,
         default=DEFAULT_JPEG_DIR,
         help="folder of JPEG files (any layout) for the end-to-end rows; a relative path starts at the "
         "folder you run the command in (default: the package's embedded CIFAR-10 training JPEGs, "
@@ -767,22 +765,23 @@ def get_args_parser() -> argparse.ArgumentParser:
     gpu.add_argument("--fp32", action="store_true", help="no autocast (otherwise bf16 autocast)")
     gpu.set_defaults(func=_cmd_gpu)
 
-    data = sub.add_parser(
+    sub.add_parser(  # listed here; `main` hands `data ...` to 07e's own parser and run
         "data",
-        formatter_class=HelpFormatter,
-        help="07's baseline vs fast input pipeline (tutorial_lib.databench.run_data_benchmark)",
-        description="torchvision's default input pipeline against 07's, images/s per worker.",
+        help="07's baseline vs fast input pipeline: `python -m tutorial_lib.databench` (07e) under this name, "
+        "with its flags (bench data --help)",
     )
-    data.add_argument(
-        "--data_dir", required=True, default=argparse.SUPPRESS, help="a folder of images (any depth); required"
-    )
-    data.add_argument("--workers", type=non_negative_int, default=1, help="DataLoader workers of each pipeline")
-    data.set_defaults(func=_cmd_data)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of `python -m tutorial_lib.bench`: 00a's `cli_main` (a wrong input is one line, exit status 2)."""
+    """Entry point of `python -m tutorial_lib.bench`: 00a's `cli_main` (a wrong input is one line, exit status 2).
+    `bench data ...` is 07e's `python -m tutorial_lib.databench ...`: its parser and its run, under this name."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["data"]:
+        from tutorial_lib import databench
+
+        prog = "python -m tutorial_lib.bench data"
+        return cli_main(databench.get_args_parser(prog), databench.run_command, argv[1:])
     cli_main(get_args_parser(), lambda args: args.func(args), argv)
 
 # %% ../notebooks/10a_benchmarks.ipynb #636857f7

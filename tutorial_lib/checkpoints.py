@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from .core import MissingPathError, UserError
+from .core import MissingPathError, UserError, format_size
 
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'MANIFEST', 'PROGRESS_FILE', 'CheckpointError', 'RunFolderError', 'checkpoint_root',
            'list_checkpoints', 'incomplete_checkpoints', 'latest_checkpoint', 'fsync_path', 'atomic_write_text',
-           'sha256_file', 'model_signature', 'save_checkpoint', 'follow_umask', 'DiskFullError', 'format_bytes',
-           'verify_checkpoint', 'load_checkpoint', 'resolve_resume_path', 'checkpoint_run_id', 'save_final_model',
-           'TrainState', 'folder_run_id', 'resume_state']
+           'sha256_file', 'model_signature', 'save_checkpoint', 'follow_umask', 'DiskFullError', 'verify_checkpoint',
+           'load_checkpoint', 'resolve_resume_path', 'checkpoint_run_id', 'save_final_model', 'TrainState',
+           'folder_run_id', 'resume_state']
 
 # %% ../notebooks/06a_checkpoints.ipynb #ff4a7d63
 class CheckpointError(UserError, ValueError):
@@ -195,14 +195,6 @@ def _no_space(err: BaseException | None) -> bool:
     return False
 
 
-def format_bytes(n: float) -> str:
-    """A size in the unit that reads best, 1 KB = 1024 bytes: 233472 -> "228 KB", 5.2e9 -> "4.84 GB", 0 -> "0 bytes"."""
-    units, i = ("bytes", "KB", "MB", "GB", "TB"), 0
-    while n >= 1024 and i < len(units) - 1:
-        n, i = n / 1024, i + 1
-    return f"{n:.0f} {units[i]}" if i == 0 or n >= 1000 else f"{n:.3g} {units[i]}"
-
-
 def _disk_full_message(run_dir: Path, what: str, need: int | None = None) -> str:
     """The one line of a save that found the disk full: `need`, what it needs (an estimate), else the size of the
     run's last checkpoint."""
@@ -211,9 +203,9 @@ def _disk_full_message(run_dir: Path, what: str, need: int | None = None) -> str
         need = sum(f.stat().st_size for f in previous.iterdir())
     free = shutil.disk_usage(run_dir).free
     where = f"from {previous.name}, which is intact" if previous else "from the start: no checkpoint was saved yet"
-    needs = f"it needs about {format_bytes(need)}, " if need else ""
+    needs = f"it needs about {format_size(need)}, " if need else ""
     return (
-        f"no space left on the disk of {run_dir} while saving {what}: {needs}{format_bytes(free)} are free; free "
+        f"no space left on the disk of {run_dir} while saving {what}: {needs}{format_size(free)} are free; free "
         f"some space, then resume with --resume_from_checkpoint latest ({where})"
     )
 

@@ -17,16 +17,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .core import SMOKE_ENV_VAR, UserError, environment_report, in_notebook
+from .core import SMOKE_ENV_VAR, UserError, environment_report, format_size, in_notebook
 
 # %% auto #0
 __all__ = ['positive_int', 'non_negative_int', 'positive_float', 'non_negative_float', 'COURSE_NOTEBOOKS', 'WORDS_PER_MINUTE',
            'CODE_LINES_PER_MINUTE', 'NAV_TAG', 'TIME_LINE', 'LIBRARY_RECORD', 'number_flag', 'OneLineParser',
            'HelpFormatter', 'model_name', 'run_name', 'user_path', 'one_line', 'exit_code', 'cli_main',
-           'run_on_user_files', 'as_flags', 'parse_overrides', 'format_size', 'Progress', 'config_path',
-           'course_notebooks', 'shown_path', 'NotebookStats', 'notebook_stats', 'course_stats', 'format_course_map',
-           'navigation_text', 'write_navigation', 'merge_stream_outputs', 'library_fingerprint', 'stale_outputs',
-           'run_notebooks', 'clean_script', 'get_args_parser', 'run_command', 'main']
+           'run_on_user_files', 'as_flags', 'parse_overrides', 'Progress', 'config_path', 'course_notebooks',
+           'shown_path', 'NotebookStats', 'notebook_stats', 'course_stats', 'format_course_map', 'navigation_text',
+           'write_navigation', 'merge_stream_outputs', 'library_fingerprint', 'stale_outputs', 'run_notebooks',
+           'clean_script', 'get_args_parser', 'run_command', 'main']
 
 # %% ../notebooks/00a_course_tools.ipynb #abf5a5d3
 def number_flag(
@@ -140,7 +140,9 @@ def run_name(text: str) -> str:
 
 def user_path(text: str) -> str:
     """An argparse `type=` for the path flags: `~` and `~user` expanded, as a shell does for an unquoted word but not
-    in `--flag=~/x`, in quotes, or in a config file or job script that passes the flag on."""
+    in `--flag=~/x`, in quotes, or in a config file or job script that passes the flag on. Every path flag and path
+    argument of the course's command lines has this type, the one place that expands `~`: the library's functions
+    take paths as Python does."""
     return os.path.expanduser(text)
 
 # %% ../notebooks/00a_course_tools.ipynb #1feea00b
@@ -248,11 +250,6 @@ def parse_overrides(parser: argparse.ArgumentParser, **overrides) -> argparse.Na
             setattr(args, key, value)
     return args
 
-# %% ../notebooks/00a_course_tools.ipynb #7ccfef9e
-def format_size(nbytes: float) -> str:
-    """Bytes as a disk or a download states them, in powers of 1000: 1.5e6 -> "1.5 MB", 3.2e9 -> "3.20 GB"."""
-    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
-
 # %% ../notebooks/00a_course_tools.ipynb #64f59bb8
 class Progress:
     """Progress of a loop: tqdm's bar on a terminal; in a log (output not a terminal) one plain line every
@@ -298,9 +295,10 @@ class Progress:
             self.bar.set_postfix(**values)
 
     def _amount(self, n: float, per_second: bool = False) -> str:
-        """`n` in the loop's unit: bytes as MB or GB ("1.2 MB/s"), anything else as counted ("2.50 batches/s")."""
+        """`n` in the loop's unit: bytes as MB or GB (00's `format_size`, "1.2 MB/s"), anything else as counted
+        ("2.50 batches/s")."""
         if self.unit == "B":
-            return format_size(n) + ("/s" if per_second else "")
+            return format_size(n, smallest="MB") + ("/s" if per_second else "")
         return f"{n:.2f} {self.unit}/s" if per_second else f"{n} {self.unit}"
 
     def line(self) -> str:
@@ -308,7 +306,7 @@ class Progress:
         rate = (self.done - self.started_at) / max(time.monotonic() - self.start, 1e-9)
         left = f"{(self.total - self.done) / rate / 60:.0f} min left" if rate > 0 else "starting"
         where = (
-            f"{format_size(self.done)} of {format_size(self.total)}"
+            f"{self._amount(self.done)} of {self._amount(self.total)}"
             if self.unit == "B"
             else f"{self.done}/{self.total} {self.unit}"
         )
@@ -698,7 +696,10 @@ def get_args_parser() -> argparse.ArgumentParser:
         help="execute the notebooks in full mode, outputs written in place (then nbdev-clean)",
     )
     run.add_argument(
-        "notebooks", nargs="*", help="notebook files (default: every notebook of notebooks/ here, in reading order)"
+        "notebooks",
+        nargs="*",
+        type=user_path,
+        help="notebook files (default: every notebook of notebooks/ here, in reading order)",
     )
     run.add_argument(
         "--smoke",

@@ -22,12 +22,12 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['SMOKE_ENV_VAR', 'IMAGENET_TRAIN_IMAGES', 'RECIPE_EPOCHS', 'PEAK_BF16_TFLOPS', 'STATE_PROBE', 'smoke_mode',
-           'seed_everything', 'in_notebook', 'free_port', 'fork_safe', 'scratch_dir', 'linked_subset',
+__all__ = ['SMOKE_ENV_VAR', 'IMAGENET_TRAIN_IMAGES', 'RECIPE_EPOCHS', 'PEAK_BF16_TFLOPS', 'STATE_PROBE', 'SIZE_UNITS',
+           'smoke_mode', 'seed_everything', 'in_notebook', 'free_port', 'fork_safe', 'scratch_dir', 'linked_subset',
            'count_training_flops', 'training_time_seconds', 'peak_flops_for', 'mfu_unknown_note', 'mfu',
            'peak_memory_bytes', 'StepClock', 'StepTimer', 'global_batch_size', 'environment_report', 'bf16_supported',
            'accelerate_cli', 'cpu_launch_config', 'read_process_states', 'launch_state_probe', 'UserError',
-           'MissingPathError']
+           'MissingPathError', 'format_size', 'free_space', 'check_free_space']
 
 # %% ../notebooks/00_introduction.ipynb #a4f4ab1f
 SMOKE_ENV_VAR = "TUTORIAL_SMOKE"
@@ -469,3 +469,40 @@ class UserError(Exception):
 class MissingPathError(UserError, FileNotFoundError):
     """A path given on the command line (data, checkpoint) that does not exist or is not what it should be: here,
     below every module that reads a path (the data modules, checkpoints, the training script)."""
+
+# %% ../notebooks/00_introduction.ipynb #5a1e0f3c
+SIZE_UNITS = ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("bytes", 1)
+
+
+def format_size(nbytes: float, smallest: str = "bytes") -> str:
+    """`nbytes` as every message of the course states a size: SI units, 1 kB = 1,000 bytes, as disks, downloads and
+    `df -H` count (binary units, 1,024s, would be KiB, MiB and GiB). The largest unit the size reaches, but at least
+    `smallest`, with one decimal: 999 -> "999 bytes", 31_539 -> "31.5 kB", 4.6e6 -> "4.6 MB", 5.2e9 -> "5.2 GB".
+    A progress line passes `smallest="MB"`, so that its figures keep one unit as they grow ("0.6 MB of 4.6 MB")."""
+    if smallest not in dict(SIZE_UNITS):
+        raise ValueError(f"smallest must be one of {list(dict(SIZE_UNITS))}, got {smallest!r}")
+    for name, size in SIZE_UNITS:
+        if nbytes >= size or name == smallest:
+            return f"{nbytes:.0f} bytes" if name == "bytes" else f"{nbytes / size:.1f} {name}"
+
+
+def free_space(folder: str | os.PathLike) -> int:
+    """Free bytes on the disk of `folder`, which need not exist yet: its nearest existing parent is on the disk it
+    will be on."""
+    folder = Path(folder)
+    return shutil.disk_usage(next((p for p in [folder, *folder.parents] if p.exists()), folder)).free
+
+
+def check_free_space(
+    folder: str | os.PathLike, need: int, what: str, elsewhere: str, error: type[UserError] = UserError
+) -> None:
+    """Refuse (`error`, one line) a job of about `need` bytes that the disk of `folder` cannot hold: at its start,
+    not when the disk fills halfway (`folder` need not exist yet: `free_space`). The line names `what` needs the
+    space and the flag or folder to choose `elsewhere`; used for a run's checkpoints (06b) and the data tools'
+    outputs (07b)."""
+    free = free_space(folder)
+    if free < need:
+        raise error(
+            f"not enough space on the disk of {folder} for {what}: it needs about {format_size(need)}, "
+            f"{format_size(free)} are free; free some space or choose another {elsewhere}"
+        )

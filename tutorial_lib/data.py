@@ -25,7 +25,6 @@ from tutorial_lib.cli import (
     OneLineParser,
     Progress,
     cli_main,
-    format_size,
     number_flag,
     positive_float,
     positive_int,
@@ -33,7 +32,7 @@ from tutorial_lib.cli import (
     shown_path,
     user_path,
 )
-from .core import MissingPathError, UserError, in_notebook
+from .core import MissingPathError, UserError, check_free_space, format_size, free_space, in_notebook
 from tutorial_lib.sources import (
     IMG_EXTENSIONS,
     OFFICIAL_ARCHIVES,
@@ -144,7 +143,7 @@ def _csv_fields(path: Path, lineno: int, line: str) -> list[str]:
 def read_val_mapping(path: str | os.PathLike) -> dict[str, str]:
     """Image stem → class folder, from `LOC_val_solution.csv`, a text file of `filename wnid` lines (also
     gzip-compressed) or the ILSVRC2012 devkit (its archive, or the folder it unpacks to) (07b §1, §3)."""
-    path = Path(path).expanduser()
+    path = Path(path)
     if path.is_dir():
         if next(path.rglob("meta.mat"), None) and next(path.rglob(_GROUND_TRUTH), None):
             return _devkit_mapping(path)  # the unpacked devkit
@@ -265,7 +264,7 @@ def prepare_val(
     disk) is finished or redone by the next run, which compares the sizes of what it finds (`_move_file`). Checks
     everything first and refuses, changing nothing, when the mapping and the files disagree, a class name is not a
     folder name, or a file could not be placed. Returns the counts."""
-    val_dir = Path(val_dir).expanduser()
+    val_dir = Path(val_dir)
     if val_dir.is_file():
         raise NotADirectoryError(
             f"{val_dir} is a file, not the validation folder: the arguments are VAL_DIR MAPPING, in that order"
@@ -275,7 +274,7 @@ def prepare_val(
             f"validation folder {val_dir} does not exist: pass the folder of ILSVRC2012_val_*.JPEG files"
         )
     labels = mapping if isinstance(mapping, dict) else read_val_mapping(mapping)
-    out = Path(out_dir).expanduser() if out_dir is not None else val_dir
+    out = Path(out_dir) if out_dir is not None else val_dir
     unusable = sorted({label for label in labels.values() if _class_name_problem(label)})
     if unusable:  # a dict, or any future source: the same check as a mapping file's lines and the devkit's names
         raise DataLayoutError(
@@ -379,22 +378,6 @@ PRESIZE_KEY, PRESIZED_KEY = "tutorial_lib.presize", "tutorial_lib.presized"  # f
 SOURCE_KEY = "tutorial_lib.source"  # footer key: what the shard was built from (`_source_record`)
 
 
-def _free_space(folder: Path) -> int:
-    """Free bytes of the file system that holds `folder`, or would hold it once created."""
-    probe = next((p for p in [folder, *folder.parents] if p.exists()), folder)  # where `folder` would be created
-    return shutil.disk_usage(probe).free
-
-
-def _check_free_space(folder: Path, needed: int, what: str) -> None:
-    """Refuse to start a job that cannot fit in the free space of `folder`'s file system."""
-    free = _free_space(folder)
-    if needed > free:
-        raise DataSourceError(
-            f"{what} needs {format_size(needed)} in {folder} but its disk has {format_size(free)} free: "
-            "free some space or choose another output folder"
-        )
-
-
 def hub_features(classes: Sequence[str]):
     """The 🤗 `Features` of `ILSVRC/imagenet-1k`'s shards: `image` (encoded bytes and path), `label` (ClassLabel)."""
     from datasets import ClassLabel, Features
@@ -496,7 +479,7 @@ def write_shards(
         raise DataLayoutError(f"{train_dir} and {val_dir} have different class folders: give both splits the same ones")
     schema = hub_features(classes).arrow_schema
     schema = schema.with_metadata({**schema.metadata, PRESIZE_KEY: json.dumps(settings)}) if settings else schema
-    out = Path(out_dir).expanduser() / "data"
+    out = Path(out_dir) / "data"
     plans = []  # (split, split folder, samples, sizes, (start, stop), file name, source record)
     for split, split_dir, samples in (("train", train_dir, train), ("validation", val_dir, val)):
         stats = [os.stat(p) for p, _ in samples]
@@ -523,10 +506,10 @@ def write_shards(
         f"{len(plans)} shards of about "
         f"{shard_mb:g} MB in {out}; {len(plans) - len(todo)} already complete, "
         + (f"{changed} out of date (their images or labels changed since: rebuilt), " if changed else "")
-        + f"{format_size(needed)} to write"
+        + f"{format_size(needed, smallest='MB')} to write"  # in the unit of the progress lines that follow
     )
     to_write = needed  # the bytes to read, written as they are unless pre-sized
-    if settings and needed > _free_space(out):  # pre-sized shards are smaller: estimate them from the images'
+    if settings and needed > free_space(out):  # pre-sized shards are smaller: estimate them from the images'
         presizer = Presizer(**settings)  # headers, read only now (one more small read per image)
         to_write = round(
             sum(
@@ -535,7 +518,8 @@ def write_shards(
                 for (path, _), size in zip(samples[a:b], sizes[a:b])
             )
         )
-    _check_free_space(out, to_write, "writing the shards" + (" (pre-sized, estimated)" if settings else ""))
+    what = "the shards" + (" (pre-sized, estimated)" if settings else "")
+    check_free_space(out, to_write, what, "output folder", DataSourceError)
     out.mkdir(parents=True, exist_ok=True)
     lock = os.open(out.parent / ".shard.lock", os.O_RDWR | os.O_CREAT, 0o644)  # one run at a time: a second one
     try:  # would remove the first's temporary shards; the OS drops the lock of a killed run
@@ -742,7 +726,7 @@ def from_archives(
 
     Checks before writing anything (files, classes, validation names, free disk), never changes the archives,
     resumes after an interruption, shows progress and verifies the counts at the end. Returns the counts."""
-    archive_dir, out = Path(archive_dir).expanduser(), Path(out_dir).expanduser()
+    archive_dir, out = Path(archive_dir), Path(out_dir)
     if not archive_dir.is_dir():
         raise MissingPathError(
             f"archive folder {archive_dir} does not exist: pass the folder that holds {', '.join(OFFICIAL_ARCHIVES)}"
@@ -808,9 +792,9 @@ def _unpack_archives(
         log(
             f"{paths['train'].parent}: {len(classes)} classes, {sum(devkit.train_counts.values()):,} train + "
             f"{len(val_members):,} val images; already in {out}: {len(classes) - len(train_left)} classes"
-            f"{' and val' if val_dir.is_dir() else ''}; needs {format_size(needed)} of disk"
+            f"{' and val' if val_dir.is_dir() else ''}; needs {format_size(needed, smallest='MB')} of disk"
         )
-        _check_free_space(out, needed, "unpacking the archives")
+        check_free_space(out, needed, "the unpacked images", "output folder", DataSourceError)
         # 2. train: each class into .tmp-<wnid>, renamed when complete
         progress = Progress(to_read, "from-archives", unit="B", interval=progress_interval, summary=True)
         train_dir.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,15 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from .cli import HelpFormatter, OneLineParser, cli_main, non_negative_int, positive_int, run_on_user_files
+from tutorial_lib.cli import (
+    HelpFormatter,
+    OneLineParser,
+    cli_main,
+    non_negative_int,
+    positive_int,
+    run_on_user_files,
+    user_path,
+)
 from .core import in_notebook
 from .data import hub_features, shard_table
 from .decoding import decode_rgb
@@ -293,16 +301,16 @@ def decode_batch_on_device(
     return torch.stack(out)
 
 # %% ../notebooks/07e_data_benchmarks.ipynb #06bb3713
-def get_args_parser() -> argparse.ArgumentParser:
-    """`python -m tutorial_lib.databench`: 00a's conventions (flags with underscores, every default in `--help`,
-    values checked where declared, one-line errors)."""
+def get_args_parser(prog: str = "python -m tutorial_lib.databench") -> argparse.ArgumentParser:
+    """`python -m tutorial_lib.databench`, also `python -m tutorial_lib.bench data` (10a, `prog`): 00a's conventions
+    (flags with underscores, every default in `--help`, values checked where declared, one-line errors)."""
     parser = OneLineParser(
-        prog="python -m tutorial_lib.databench",
+        prog=prog,
         formatter_class=HelpFormatter,
         description="torchvision's default input pipeline against 07's, images/s per worker "
         "(07e); ends with one JSON line",
     )
-    parser.add_argument("--data_dir", required=True, help="folder of images (any depth)")
+    parser.add_argument("--data_dir", type=user_path, required=True, help="folder of images (any depth)")
     parser.add_argument("--workers", type=non_negative_int, default=1, help="DataLoader worker processes")
     parser.add_argument("--img_size", type=positive_int, default=224, help="crop size")
     parser.add_argument("--batch_size", type=positive_int, default=25, help="images per batch")
@@ -321,7 +329,7 @@ def run_command(args: argparse.Namespace) -> int | None:
     return run_on_user_files(
         lambda: print_data_benchmark(
             run_data_benchmark(
-                os.path.expanduser(args.data_dir),
+                args.data_dir,
                 workers=args.workers,
                 img_size=args.img_size,
                 batch_size=args.batch_size,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -25,18 +24,18 @@ from tutorial_lib.checkpoints import (
     atomic_write_text,
     checkpoint_run_id,
     folder_run_id,
-    format_bytes,
     latest_checkpoint,
     list_checkpoints,
 )
 from tutorial_lib.core import (
     UserError,
+    check_free_space,
 )
 
 # %% auto #0
 __all__ = ['RUN_LOCK', 'RUN_OUTPUTS', 'RunLock', 'run_outputs', 'check_writable', 'claim_run_folder', 'write_run_config',
-           'cut_metrics', 'check_free_space', 'checkpoint_size', 'NonFiniteLossError', 'NonFiniteGuard', 'StopAtOnce',
-           'StopRequest']
+           'cut_metrics', 'check_checkpoint_space', 'checkpoint_size', 'NonFiniteLossError', 'NonFiniteGuard',
+           'StopAtOnce', 'StopRequest']
 
 # %% ../notebooks/06b_run_safety.ipynb #f1cd8293
 RUN_LOCK = ".run.lock"
@@ -216,34 +215,29 @@ def cut_metrics(path: str | os.PathLike, before_epoch: int, warn=None) -> dict:
     return {"kept": kept, "dropped_later": later, "dropped_unreadable": torn}
 
 # %% ../notebooks/06b_run_safety.ipynb #5dac9cc2
-def check_free_space(run_dir: str | os.PathLike, need: int, accelerator=None) -> None:
+def check_checkpoint_space(run_dir: str | os.PathLike, need: int, accelerator=None) -> None:
     """Refuse (`DiskFullError`) a run whose disk cannot hold one more checkpoint of about `need` bytes: at start,
-    not at the first save an epoch later. With an `accelerator` the main process decides for every process."""
+    not at the first save an epoch later (00's `check_free_space`). With an `accelerator` the main process decides
+    for every process."""
     if accelerator is not None:
         from accelerate.utils import broadcast_object_list
 
         refusal = None
         if accelerator.is_main_process:
             try:
-                check_free_space(run_dir, need)
+                check_checkpoint_space(run_dir, need)
             except DiskFullError as err:
                 refusal = str(err)
         refusal = broadcast_object_list([refusal])[0]
         if refusal:
             raise DiskFullError(refusal)
         return
-    free = shutil.disk_usage(run_dir).free
-    if free < need:
-        raise DiskFullError(
-            f"not enough space on the disk of {run_dir} for a checkpoint: one needs about "
-            f"{format_bytes(need)}, {format_bytes(free)} are free; free some space or choose another "
-            "--working_directory"
-        )
+    check_free_space(run_dir, need, "a checkpoint", "--working_directory", DiskFullError)
 
 
 def checkpoint_size(model: torch.nn.Module, momentum: bool, ema: torch.nn.Module | None = None) -> int:
     """About how many bytes one checkpoint of this run takes: weights and buffers, SGD's momentum buffer for every
-    parameter (if `momentum`), the EMA's copy (--ema), and 64 KB for the small files (scheduler, RNG states,
+    parameter (if `momentum`), the EMA's copy (--ema), and 64 KiB for the small files (scheduler, RNG states,
     progress, manifest)."""
     size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
     total = size(model.state_dict().values()) + 64 * 1024
@@ -447,4 +441,4 @@ def _ignore_signals_at_shutdown() -> None:
 
 
 # At exit Python runs its exit handlers and finalizers newest first: one made at import runs after those made since
-weakref.finalize(StopRequest, _ignore_signals_at_shutdown)
+_at_shutdown = weakref.finalize(StopRequest, _ignore_signals_at_shutdown)

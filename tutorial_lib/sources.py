@@ -61,7 +61,7 @@ def find_split_dirs(root: str | os.PathLike) -> tuple[Path, Path]:
     """The `train` and `val` (or `validation`) folders of a dataset root, with errors that say what to fix.
 
     Taught in 07 §1 and 07a §1; the training script calls it on `--path_to_data`."""
-    root = Path(root).expanduser()
+    root = Path(root)
     if not root.exists():
         raise MissingPathError(
             f"data folder {root} does not exist: pass the folder that holds train/ and val/ "
@@ -79,8 +79,8 @@ def find_split_dirs(root: str | os.PathLike) -> tuple[Path, Path]:
     raise MissingPathError(f"no val/ or validation/ folder in {root} (it holds: {folder_listing(root)}); {expected}")
 
 
-def is_image_name(name: str) -> bool:
-    return not name.startswith(".") and name.lower().endswith(IMG_EXTENSIONS)
+def is_image_name(name: str, extensions: tuple[str, ...] = IMG_EXTENSIONS) -> bool:
+    return not name.startswith(".") and name.lower().endswith(extensions)
 
 # %% ../notebooks/07a_imagenet_sources.ipynb #7bdb1268
 @dataclass
@@ -137,9 +137,12 @@ class ScanReport:
         return f"warning: {self.folder}: left out {', '.join(parts)}" if parts else None
 
 # %% ../notebooks/07a_imagenet_sources.ipynb #a4c84bab
-def _walk_images(top: str, visited: set[str], report: ScanReport) -> list[str]:
-    """Image files under `top`, sorted. Links are followed, but each folder is entered once, by its real
-    path (`visited`), so a link loop cannot multiply the images; what is left out goes into `report`."""
+def _walk_images(
+    top: str, visited: set[str], report: ScanReport, extensions: tuple[str, ...] = IMG_EXTENSIONS
+) -> list[str]:
+    """Image files under `top` (names ending in one of `extensions`), sorted. Links are followed, but each folder
+    is entered once, by its real path (`visited`), so a link loop cannot multiply the images; what is left out
+    goes into `report`."""
     files = []
     for dirpath, dirnames, filenames in os.walk(
         top, followlinks=True, onerror=lambda err: report.unreadable.append(err.filename)
@@ -160,7 +163,11 @@ def _walk_images(top: str, visited: set[str], report: ScanReport) -> list[str]:
         for name in filenames:
             path = os.path.join(dirpath, name)
             (
-                files if is_image_name(name) else report.hidden_files if name.startswith(".") else report.not_images
+                files
+                if is_image_name(name, extensions)
+                else report.hidden_files
+                if name.startswith(".")
+                else report.not_images
             ).append(path)
     return sorted(files)
 
@@ -233,12 +240,16 @@ def scan_image_folder(
     return class_dirs, samples
 
 
-def list_images(folder: str | os.PathLike) -> list[str]:
-    """Every image file under `folder` (any depth), sorted; a clear error when there is none."""
+def list_images(folder: str | os.PathLike, extensions: tuple[str, ...] = IMG_EXTENSIONS) -> list[str]:
+    """Every image file under `folder` (any depth, any layout; names ending in one of `extensions`, lowercase),
+    sorted as strings: the file lists of the benchmarks (07e, 10a). Hidden names (`.DS_Store`, macOS's
+    `._x.JPEG`, `.ipynb_checkpoints/`) and dangling links are left out, and each folder is entered once even
+    through links; a clear error when nothing is left."""
     folder = _image_folder(folder)
-    files = _walk_images(str(folder), {os.path.realpath(folder)}, ScanReport(str(folder)))  # each folder once
+    found = _walk_images(str(folder), {os.path.realpath(folder)}, ScanReport(str(folder)), extensions)
+    files = [f for f in found if os.path.isfile(f)]  # a benchmark cannot read a dangling link either
     if not files:
-        raise DataLayoutError(f"no images ({'/'.join(IMG_EXTENSIONS)}) under {folder}: point at a folder of images")
+        raise DataLayoutError(f"no images ({'/'.join(extensions)}) under {folder}: point at a folder of images")
     return files
 
 # %% ../notebooks/07a_imagenet_sources.ipynb #630b7a65
@@ -314,7 +325,7 @@ def resolve_data_source(path_to_data: str | os.PathLike | DataSource) -> DataSou
     if isinstance(path_to_data, DataSource):
         return path_to_data
     text = str(path_to_data)
-    root = Path(text).expanduser()
+    root = Path(text)
     if not root.exists():
         if _HUB_ID.match(text):
             require_datasets(f"{text} (not a local folder, so a Hugging Face Hub id)")

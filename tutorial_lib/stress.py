@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checkpoints import sha256_file
-from .cli import HelpFormatter, OneLineParser, as_flags, cli_main, non_negative_int, positive_int
+from .cli import HelpFormatter, OneLineParser, as_flags, cli_main, non_negative_int, positive_int, user_path
 from .core import UserError, in_notebook
 from .processes import TrainingProcess, make_image_folder
 
@@ -483,6 +483,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     resume.add_argument(
         "--workdir",
+        type=user_path,
         default=None,
         help="where the runs go; none: a new temporary folder, deleted at the end when every trial passed",
     )

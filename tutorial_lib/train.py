@@ -91,7 +91,7 @@ from tutorial_lib.runs import (
     NonFiniteLossError,
     StopAtOnce,
     StopRequest,
-    check_free_space,
+    check_checkpoint_space,
     checkpoint_size,
     claim_run_folder,
     cut_metrics,
@@ -709,7 +709,7 @@ def train(args: argparse.Namespace) -> dict:
             run_dir,
             settings,
         )
-        check_free_space(run_dir, run.checkpoint_bytes, accelerator)  # 06b: now, not at the first save an epoch later
+        check_checkpoint_space(run_dir, run.checkpoint_bytes, accelerator)  # 06b: now, not at the first save
         resume_run(run)
         logger = open_outputs(run, len(train_ds), len(val_ds))
         start = time.perf_counter()
