@@ -616,6 +616,23 @@ def test_a_forked_data_loader_worker_leaves_ctrl_c_to_its_parent():
     assert child.exitcode == 0 and stop.received is None
 
 
+def test_only_accelerates_one_process_launcher_from_1_16_on_kills_5_s_after_a_sigterm(monkeypatch):
+    from tutorial_lib import launching
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    for parent in ("accelerate launch", "accelerate-launch", "accelerate.commands.launch"):
+        monkeypatch.setattr(launching, "parent_launcher", lambda parent=parent: parent)
+        assert launching.launcher_kill_after("1.16.0") == ACCELERATE_KILL_AFTER_S == 5
+        assert launching.launcher_kill_after("1.15.0") is None, "before 1.16 it kills nothing"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's agent inside `accelerate launch` (1gpu.yaml)
+    assert launching.launcher_kill_after("1.16.0") is None
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    for parent in ("torchrun", None):
+        monkeypatch.setattr(launching, "parent_launcher", lambda parent=parent: parent)
+        assert launching.launcher_kill_after("1.16.0") is None
+    assert launching.check_save_fits_launcher(None, "unused", 0) is None, "nothing is timed then"
+
+
 def test_launchers_are_recognised_by_their_command_line():
     assert (
         launcher_name(["/v/bin/python", "/v/bin/accelerate", "launch", "-m", "tutorial_lib.train"])

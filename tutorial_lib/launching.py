@@ -247,12 +247,13 @@ def check_save_fits_launcher(accelerator, run_dir: str | os.PathLike, checkpoint
     time one checkpoint save of the current state, scaled up to a full checkpoint's `checkpoint_bytes` (before the
     first step the optimizer holds no momentum yet), and refuse the run (`LaunchError`, exit 2) when it takes more
     than half of those seconds: the polite stop also finishes the step in progress and exits (06c). The timing
-    folder is removed; one left by a kill is a `.tmp-` leftover that `latest` ignores and the next save deletes.
+    folder is removed at once (a `.trash-` name: never a save in progress to the stress harness, 11b); one left by
+    a kill is a leftover that `latest` ignores and the next save deletes.
     Returns the estimated seconds of a save, or None when nothing was timed."""
     kill_after = launcher_kill_after()
     if kill_after is None:
         return None
-    timing = checkpoint_root(run_dir) / ".tmp-save-timing"
+    timing = checkpoint_root(run_dir) / ".trash-save-timing"
     start = time.perf_counter()
     try:
         saved = save_checkpoint(accelerator, timing, 0, {}, keep_last=1)  # the real save: files, fsync, manifest
