@@ -5,8 +5,11 @@ process running `notebook_launcher` must reach the training, which checkpoints a
 end bit-identical to one never stopped. Ctrl-C (SIGINT, sent as a terminal sends it: to every process of the
 group) is the same polite stop with exit 130; a second one stops at once. Under `accelerate launch`, which returns
 1 for any failure, the script's own exit status (2, 3, 143) reaches `$TUTORIAL_EXIT_STATUS_FILE` with one line from
-one process, and the SLURM script acts on that status."""
+one process, and the SLURM script acts on that status. From accelerate 1.16 on both of `accelerate launch`'s ways pass
+a signal on and return 128 + the signal; the one-process one SIGKILLs 5 s later, so a run whose checkpoint cannot be
+saved in that time is refused at start (the tests name the version where they differ)."""
 
+import importlib.metadata
 import json
 import multiprocessing
 import os
@@ -19,11 +22,19 @@ import types
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 from train_helpers import CASE_RUN
 
-from tutorial_lib.checkpoints import latest_checkpoint, list_checkpoints, sha256_file, verify_checkpoint
+from tutorial_lib.checkpoints import (
+    incomplete_checkpoints,
+    latest_checkpoint,
+    list_checkpoints,
+    sha256_file,
+    verify_checkpoint,
+)
 from tutorial_lib.cli import as_flags, config_path
 from tutorial_lib.launching import (
+    ACCELERATE_KILL_AFTER_S,
     EXIT_STATUS_ENV,
     launch_with_timeout,
     launcher_name,
@@ -41,6 +52,9 @@ STOP = 60
 LONG = dict(CASE_RUN, epochs=40, stop_after_steps=STOP)
 ONE_PROCESS = ("accelerate", "accelerate_1gpu")  # `--num_processes 1` (plain subprocess), 1gpu.yaml (torchrun's agent)
 STOPPED = "checkpoint saved, resume with --resume_from_checkpoint latest"
+# accelerate 1.16 changed both launchers: the one-process one passes a signal on and SIGKILLs 5 s later, and both
+# return 128 + the signal (before: the one-process one died at once, torchrun's agent returned 1) (06c)
+ACCELERATE_1_16 = Version(importlib.metadata.version("accelerate")) >= Version("1.16")
 
 
 @pytest.fixture(scope="module")
@@ -125,12 +139,79 @@ def test_sigterm_to_a_one_process_accelerate_launch_checkpoints_exits_143_and_re
     launcher_seconds, still_running = time.perf_counter() - sent, [p.pid for p in family.values() if _running(p)]
     stopped = proc.result(300)
     assert stopped.returncode == 143, (stopped.returncode, stopped.stderr[-3000:])  # the script's own status
-    if launcher == "accelerate":  # a plain subprocess: the launcher dies at once, the training stops on its own
+    if ACCELERATE_1_16:  # both pass the signal on, wait for the training and return 128 + the signal
+        assert stopped.launcher_returncode == 143 and not still_running, (stopped.launcher_returncode, still_running)
+        if launcher == "accelerate":  # it SIGKILLs after 5 s: the training saved and exited before
+            assert launcher_seconds < ACCELERATE_KILL_AFTER_S, launcher_seconds
+    elif launcher == "accelerate":  # 1.0-1.15, a plain subprocess: the launcher dies at once, the training stops alone
         assert stopped.launcher_returncode == -signal.SIGTERM and launcher_seconds < 5, launcher_seconds
-    else:  # torchrun's agent passes the signal on and waits for the training to end
+    else:  # 1.0-1.15, torchrun's agent passes the signal on, waits for the training to end and returns 1
         assert stopped.launcher_returncode == 1 and not still_running, still_running
     assert not [p.pid for p in family.values() if _running(p)], "a process of the launch was left running"
     assert_checkpointed_and_resumes_identically(tmp_path, data, "run", launcher, stopped, "SIGTERM", straight[1])
+
+
+# On PYTHONPATH of a test's training processes: every `Accelerator.save_state` sleeps $SLOW_SAVE_S first.
+SLOW_SAVE_HOOK = textwrap.dedent("""
+    import os
+    import time
+
+    from accelerate import Accelerator
+
+    _save_state = Accelerator.save_state
+
+
+    def save_state(self, *args, **kwargs):
+        time.sleep(float(os.environ["SLOW_SAVE_S"]))
+        return _save_state(self, *args, **kwargs)
+
+
+    Accelerator.save_state = save_state
+""")
+SLOW_SAVE_S = ACCELERATE_KILL_AFTER_S + 1  # longer than the one-process launcher's time between SIGTERM and SIGKILL
+
+
+def slow_save_env(tmp_path) -> dict:
+    hook = tmp_path / "slow_save"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_SAVE_HOOK)  # imported at the start of every Python of the launch
+    path = os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH")) if p)
+    return child_env(PYTHONPATH=path, SLOW_SAVE_S=str(SLOW_SAVE_S))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ONE_PROCESS)
+def test_a_save_slower_than_the_launchers_grace_is_refused_at_start_or_ends_a_polite_stop_complete(
+    tmp_path, data, launcher
+):
+    """Every checkpoint save takes SLOW_SAVE_S s, more than the 5 s between the SIGTERM that accelerate's (1.16 on)
+    one-process launcher passes on and its SIGKILL. Under it the run is refused at start, in one line that says why
+    and how to launch instead; under torchrun's agent (`1gpu.yaml`, 30 s) and accelerate before 1.16 (which kills
+    nothing) a SIGTERM to the launcher ends the run with a complete checkpoint of the step it names."""
+    slow = dict(LONG, save_checkpoint_interval=LONG["epochs"])  # no save before the stop's
+    flags = as_flags({**slow, "path_to_data": data, "working_directory": tmp_path / "runs", "experiment_name": "run"})
+    proc = TrainingProcess(flags, tmp_path / "logs" / "run", launcher, env=slow_save_env(tmp_path))
+    if launcher == "accelerate" and ACCELERATE_1_16:
+        refused = proc.result(300)
+        errors = [text for text in refused.stderr_lines if text.startswith("tutorial-train:")]
+        assert (refused.returncode, refused.launcher_returncode) == (2, 1), refused.stderr[-3000:]
+        assert len(errors) == 1 and errors[0].startswith("tutorial-train: error: a checkpoint takes about "), errors
+        assert "SIGKILLs the training 5 s after it passes a SIGTERM on" in errors[0] and "1gpu.yaml" in errors[0]
+        timed = float(errors[0].split("takes about ")[1].split()[0])
+        assert timed >= SLOW_SAVE_S, errors[0]  # the save it timed was the slow one
+        assert not list_checkpoints(tmp_path / "runs" / "run") and not incomplete_checkpoints(tmp_path / "runs" / "run")
+        assert not (tmp_path / "runs" / "run" / "metrics.jsonl").exists(), "refused before the first step"
+        return
+    wait_for_first_epoch(tmp_path, "run", proc)
+    sent = time.perf_counter()
+    os.kill(proc.pid, signal.SIGTERM)
+    stopped = proc.result(300)
+    seconds = time.perf_counter() - sent
+    assert stopped.returncode == 143 and seconds > SLOW_SAVE_S, (stopped.returncode, seconds, stopped.stderr[-3000:])
+    step = stopped_by_the_signal(stopped, "SIGTERM")
+    checkpoint = latest_checkpoint(tmp_path / "runs" / "run")
+    assert checkpoint.name == f"step_{step:09d}" and verify_checkpoint(checkpoint)["step"] == step
+    assert not incomplete_checkpoints(tmp_path / "runs" / "run")
 
 
 @pytest.mark.slow
@@ -141,7 +222,8 @@ def test_sigterm_to_a_two_process_accelerate_launch_checkpoints_exits_143_and_re
     wait_for_first_epoch(tmp_path, "run", proc)
     proc.terminate(signal.SIGTERM, 300)
     stopped = proc.result(10)
-    assert stopped.returncode == 143 and stopped.launcher_returncode == 1, (stopped.returncode, stopped.stderr[-3000:])
+    launcher_status = 143 if ACCELERATE_1_16 else 1  # torchrun's agent after passing the signal on
+    assert (stopped.returncode, stopped.launcher_returncode) == (143, launcher_status), stopped.stderr[-3000:]
     manifest = verify_checkpoint(latest_checkpoint(tmp_path / "runs" / "run"))
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(manifest["files"]), "both processes saved their state"
     assert_checkpointed_and_resumes_identically(
@@ -532,6 +614,23 @@ def test_a_forked_data_loader_worker_leaves_ctrl_c_to_its_parent():
         child.start()
         child.join(30)
     assert child.exitcode == 0 and stop.received is None
+
+
+def test_only_accelerates_one_process_launcher_from_1_16_on_kills_5_s_after_a_sigterm(monkeypatch):
+    from tutorial_lib import launching
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    for parent in ("accelerate launch", "accelerate-launch", "accelerate.commands.launch"):
+        monkeypatch.setattr(launching, "parent_launcher", lambda parent=parent: parent)
+        assert launching.launcher_kill_after("1.16.0") == ACCELERATE_KILL_AFTER_S == 5
+        assert launching.launcher_kill_after("1.15.0") is None, "before 1.16 it kills nothing"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's agent inside `accelerate launch` (1gpu.yaml)
+    assert launching.launcher_kill_after("1.16.0") is None
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    for parent in ("torchrun", None):
+        monkeypatch.setattr(launching, "parent_launcher", lambda parent=parent: parent)
+        assert launching.launcher_kill_after("1.16.0") is None
+    assert launching.check_save_fits_launcher(None, "unused", 0) is None, "nothing is timed then"
 
 
 def test_launchers_are_recognised_by_their_command_line():

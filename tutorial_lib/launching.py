@@ -7,6 +7,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -14,12 +15,14 @@ import threading
 import time
 from pathlib import Path
 
-from .accel import is_main_process
+from .accel import LaunchError, is_main_process
+from .checkpoints import checkpoint_root, save_checkpoint
 from .core import fork_safe, free_port
 
 # %% auto #0
-__all__ = ['LAUNCHERS', 'EXIT_STATUS_ENV', 'hosted_runtime', 'launch_runs_in_kernel', 'in_kernel_note', 'launch_with_timeout',
-           'report', 'launch_records', 'launcher_name', 'follow_launcher', 'record_exit_status', 'read_exit_status']
+__all__ = ['LAUNCHERS', 'ACCELERATE_KILL_AFTER_S', 'EXIT_STATUS_ENV', 'hosted_runtime', 'launch_runs_in_kernel', 'in_kernel_note',
+           'launch_with_timeout', 'report', 'launch_records', 'launcher_name', 'parent_launcher', 'follow_launcher',
+           'launcher_kill_after', 'check_save_fits_launcher', 'record_exit_status', 'read_exit_status']
 
 # %% ../notebooks/06c_launching.ipynb #6541b1f9
 # Where notebook_launcher does not launch at all (launch_with_timeout says so): section 3 shows it.
@@ -187,22 +190,28 @@ def launcher_name(cmdline: list[str]) -> str | None:
 _FOLLOWED: dict[int, str | None] = {}  # process id -> the launcher it follows (None: started by something else)
 
 
+def parent_launcher() -> str | None:
+    """The launcher (one of `LAUNCHERS`) that started this process, by its parent's command line, or None (06c)."""
+    import psutil
+
+    try:
+        return launcher_name(psutil.Process(os.getppid()).cmdline())
+    except psutil.Error:
+        return None
+
+
 def follow_launcher(poll_s: float = 0.2) -> str | None:
     """If a launcher (`accelerate launch`, torchrun) started this process, send this process a SIGTERM when that
     launcher is gone, as if the launcher had passed its own signal on (06c). Inside a `StopRequest` that is a polite
-    stop with a checkpoint; before training there is nothing to lose. accelerate's one-process launcher is a plain
-    subprocess that dies of a SIGTERM at once, without passing it on: this is how its training process still hears
-    it. Returns the launcher's name, or None (then nothing is watched). Once per process."""
-    import psutil
-
+    stop with a checkpoint; before training there is nothing to lose. A launcher that passes its signals on (torchrun's
+    agent; accelerate's one-process launcher from 1.16 on) stays until its processes end; one killed by SIGKILL, or
+    accelerate's one-process launcher before 1.16, which dies of a SIGTERM at once without passing it on, leaves
+    its training process to hear it this way. Returns the launcher's name, or None (then nothing is watched). Once
+    per process."""
     me = os.getpid()
     if me in _FOLLOWED:
         return _FOLLOWED[me]
-    parent = os.getppid()
-    try:
-        name = launcher_name(psutil.Process(parent).cmdline())
-    except psutil.Error:
-        name = None
+    parent, name = os.getppid(), parent_launcher()
     if name:
 
         def watch() -> None:
@@ -213,6 +222,54 @@ def follow_launcher(poll_s: float = 0.2) -> str | None:
         threading.Thread(target=watch, name="follow-launcher", daemon=True).start()
     _FOLLOWED[me] = name
     return name
+
+# %% ../notebooks/06c_launching.ipynb #5a9e1c37
+# accelerate's one-process launcher (1.16 on) SIGKILLs its training this long after passing a SIGTERM on: the
+# `timeout=5` of `psutil.wait_procs` in `_terminate_process_tree` (accelerate/commands/launch.py), with no setting
+ACCELERATE_KILL_AFTER_S = 5.0
+
+
+def launcher_kill_after(version: str | None = None) -> float | None:
+    """The seconds this process has after a SIGTERM before its launcher SIGKILLs it, when that launcher is
+    accelerate's one-process launcher of 1.16 or later (a plain subprocess: not torchrun's agent, which sets
+    `TORCHELASTIC_RUN_ID`); None for any other start (06c). `version`: accelerate's, the installed one by default."""
+    from packaging.version import Version
+
+    if parent_launcher() not in LAUNCHERS[:3] or "TORCHELASTIC_RUN_ID" in os.environ:  # not accelerate's own
+        return None
+    if version is None:
+        from accelerate import __version__ as version
+    return ACCELERATE_KILL_AFTER_S if Version(version) >= Version("1.16") else None
+
+
+def check_save_fits_launcher(accelerator, run_dir: str | os.PathLike, checkpoint_bytes: int) -> float | None:
+    """Under a launcher that SIGKILLs its training a few seconds after passing a SIGTERM on (`launcher_kill_after`),
+    time one checkpoint save of the current state, scaled up to a full checkpoint's `checkpoint_bytes` (before the
+    first step the optimizer holds no momentum yet), and refuse the run (`LaunchError`, exit 2) when it takes more
+    than half of those seconds: the polite stop also finishes the step in progress and exits (06c). The timing
+    folder is removed at once (a `.trash-` name: never a save in progress to the stress harness, 11b); one left by
+    a kill is a leftover that `latest` ignores and the next save deletes.
+    Returns the estimated seconds of a save, or None when nothing was timed."""
+    kill_after = launcher_kill_after()
+    if kill_after is None:
+        return None
+    timing = checkpoint_root(run_dir) / ".trash-save-timing"
+    start = time.perf_counter()
+    try:
+        saved = save_checkpoint(accelerator, timing, 0, {}, keep_last=1)  # the real save: files, fsync, manifest
+        written = sum(f.stat().st_size for f in saved.iterdir())
+        seconds = (time.perf_counter() - start) * max(1.0, checkpoint_bytes / max(written, 1))
+    finally:
+        shutil.rmtree(timing, ignore_errors=True)
+    if seconds > kill_after / 2:
+        raise LaunchError(
+            f"a checkpoint takes about {seconds:.1f} s to save here, and this one-process `accelerate launch` "
+            f"SIGKILLs the training {kill_after:.0f} s after it passes a SIGTERM on, so a polite stop could not "
+            "save its checkpoint: start the run with `tutorial-train` (one process needs no launcher) or with "
+            "`accelerate launch --config_file tutorial_lib/configs/1gpu.yaml` (torchrun's agent waits 30 s, "
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT)"
+        )
+    return seconds
 
 # %% ../notebooks/06c_launching.ipynb #03a1d93f
 EXIT_STATUS_ENV = "TUTORIAL_EXIT_STATUS_FILE"

@@ -72,6 +72,7 @@ from tutorial_lib.flags import (
     train_resolution,
 )
 from tutorial_lib.launching import (
+    check_save_fits_launcher,
     follow_launcher,
     record_exit_status,
 )
@@ -710,6 +711,7 @@ def train(args: argparse.Namespace) -> dict:
             settings,
         )
         check_checkpoint_space(run_dir, run.checkpoint_bytes, accelerator)  # 06b: now, not at the first save
+        check_save_fits_launcher(accelerator, run_dir, run.checkpoint_bytes)  # 06c: a polite stop's save in time
         resume_run(run)
         logger = open_outputs(run, len(train_ds), len(val_ds))
         start = time.perf_counter()
