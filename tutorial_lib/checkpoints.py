@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .core import MissingPathError, UserError, format_size
+from .core import MissingPathError, UserError, format_size, free_space
 
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'MANIFEST', 'PROGRESS_FILE', 'CheckpointError', 'RunFolderError', 'checkpoint_root',
@@ -201,7 +201,7 @@ def _disk_full_message(run_dir: Path, what: str, need: int | None = None) -> str
     previous = latest_checkpoint(run_dir)
     if need is None and previous is not None:
         need = sum(f.stat().st_size for f in previous.iterdir())
-    free = shutil.disk_usage(run_dir).free
+    free = free_space(run_dir)
     where = f"from {previous.name}, which is intact" if previous else "from the start: no checkpoint was saved yet"
     needs = f"it needs about {format_size(need)}, " if need else ""
     return (
