@@ -116,23 +116,27 @@ class NotebooksRunInTheBrowser:
             items[:] = [item for item in items if item.nodeid not in in_browser]
 
 
-# Where notebooks share one kernel per test process instead of starting their own: the worked answers, short notebooks
-# whose own work is often no more than a kernel's start (ipykernel, torch and the library imported: about 3 s of CPU,
-# the whole cost of the shortest solution notebooks, measured on a 2-core VM): some 90 CPU-s for the 29.
-SHARED_KERNEL_FOLDERS = ("notebooks/solutions",)
+# Where notebooks share one kernel per test process instead of starting their own: all of them. A kernel's start
+# (ipykernel, torch, torchvision and the library imported) costs about 3 CPU-s on a 2-core VM, the whole cost of the
+# shortest notebooks, saved for each of the 58 but the first of each worker. Each notebook still starts as in a
+# fresh kernel: `RESET_KERNEL` puts back what one may leave behind, and tests/test_conftest.py checks it.
+SHARED_KERNEL_FOLDERS = ("notebooks",)
 
 # Run in the shared kernel before each notebook: what one notebook may leave behind, put back as the kernel started.
 # The namespace is emptied (`%reset -f`), so a notebook that forgets an import still fails; imported modules stay
 # loaded, which is the point.
 RESET_KERNEL = """
 def _capture():
-    import os, sys, types
+    import os, signal, sys, types, warnings
     if "_shared_kernel_state" in sys.modules:
         return
     import torch
     state = sys.modules["_shared_kernel_state"] = types.ModuleType("_shared_kernel_state")
     main = sys.modules["__main__"]
     environ, path, threads = dict(os.environ), list(sys.path), torch.get_num_threads()
+    # launchers install their own handlers (torch's `_terminate_process_handler`) and may leave them behind
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)}
+    warning_filters = list(warnings.filters)
     dunders = {k: v for k, v in vars(main).items() if k.startswith("__") and k.endswith("__")}
 
     def restore(folder):
@@ -142,6 +146,10 @@ def _capture():
         sys.path[:] = path
         os.chdir(folder)
         torch.set_num_threads(threads)
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+        warnings.filters[:] = warning_filters
+        warnings._filters_mutated()  # the module caches its filters per call site
         if "matplotlib.pyplot" in sys.modules:
             sys.modules["matplotlib.pyplot"].close("all")
         if "accelerate.state" in sys.modules:  # a run's Accelerator: notebook_launcher refuses a kernel that holds one
@@ -180,6 +188,9 @@ class SharedKernelNotebook(pytest.Item):
             client.execute(cwd=str(self.path.parent))
         except nbclient.exceptions.CellExecutionError as err:
             raise NotebookCellFailed(str(err)) from None
+        except BaseException:  # a dead or hung kernel (a timeout): the next notebook gets a new one
+            SharedKernelNotebook.stop_kernel()
+            raise
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, NotebookCellFailed):

@@ -146,36 +146,45 @@ def code_notebook(*sources: str) -> str:
 
 
 @pytest.mark.slow
-def test_solution_notebooks_share_one_kernel_and_each_starts_as_in_a_fresh_one(tmp_path):
-    """Two notebooks of notebooks/solutions/ run in one kernel (the same process), and what the first leaves behind
-    (a variable, an environment variable, the working folder, `__spec__` dropped by the reset) does not reach the
-    second; a failing cell still fails its notebook."""
+def test_notebooks_share_one_kernel_and_each_starts_as_in_a_fresh_one(tmp_path):
+    """A lesson and a solution notebook run in one kernel (the same process), and what the first leaves behind (a
+    variable, an environment variable, the working folder, `__spec__` dropped by the reset, a signal handler as
+    `notebook_launcher` leaves torch's, a warnings filter) does not reach the second; a failing cell still fails its
+    notebook, and a notebook that kills its kernel fails alone: the next one gets a new kernel."""
     (tmp_path / "conftest.py").write_text((ROOT / "conftest.py").read_text())
-    solutions = tmp_path / "notebooks" / "solutions"
+    lessons = tmp_path / "notebooks"
+    solutions = lessons / "solutions"
     solutions.mkdir(parents=True)
-    (solutions / "01_first.ipynb").write_text(
+    (lessons / "01_first.ipynb").write_text(
         code_notebook(
-            "import os\nleft = 1\nos.environ['LEFT_BEHIND'] = '1'\nos.chdir('/')",
+            "import os, signal, warnings\nleft = 1\nos.environ['LEFT_BEHIND'] = '1'\nos.chdir('/')\n"
+            "signal.signal(signal.SIGTERM, lambda *_: None)\nwarnings.simplefilter('error')",
             "open(os.path.join(os.environ['PIDS'], 'first'), 'w').write(str(os.getpid()))",
         )
     )
     (solutions / "02_second.ipynb").write_text(
         code_notebook(
-            "import os, multiprocessing\nassert 'left' not in globals() and 'LEFT_BEHIND' not in os.environ\n"
+            "import os, multiprocessing, signal, warnings\n"
+            "assert 'left' not in globals() and 'LEFT_BEHIND' not in os.environ\n"
             "assert os.getcwd() == os.environ['EXPECT_CWD'] and '__spec__' in globals()\n"
+            "assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, signal.getsignal(signal.SIGTERM)\n"
+            "warnings.warn('a warning is not an error', UserWarning)\n"
             "open(os.path.join(os.environ['PIDS'], 'second'), 'w').write(str(os.getpid()))",
         )
     )
     (solutions / "03_fails.ipynb").write_text(code_notebook("raise ValueError('a failing cell')"))
+    (solutions / "04_kills_its_kernel.ipynb").write_text(code_notebook("import os\nos._exit(1)"))
+    (solutions / "05_after_a_dead_kernel.ipynb").write_text(code_notebook("x = 1"))
     env = {**os.environ, "PIDS": str(tmp_path), "EXPECT_CWD": str(solutions)}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--nbmake", "-n", "0"]
-        + ["notebooks/solutions"],
+        + ["notebooks/01_first.ipynb", "notebooks/solutions", "--nbmake-timeout=60"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert "1 failed, 2 passed" in done.stdout and "a failing cell" in done.stdout, done.stdout[-3000:]
+    assert "2 failed, 3 passed" in done.stdout and "a failing cell" in done.stdout, done.stdout[-3000:]
+    assert "FAILED notebooks/solutions/04_kills_its_kernel.ipynb" in done.stdout, "a dead kernel fails its notebook"
     assert (tmp_path / "first").read_text() == (tmp_path / "second").read_text(), "one kernel for both"
