@@ -520,7 +520,8 @@ def test_the_slurm_script_requeues_only_a_run_stopped_with_a_checkpoint_and_exit
     log = (tmp_path / "scontrol.log").read_text() if (tmp_path / "scontrol.log").exists() else ""
     assert log == ("requeue 4242\n" if requeued else ""), log
     args = (tmp_path / "args").read_text()
-    assert "launch --config_file" in args and "--resume_from_checkpoint latest" in args, args
+    assert f"launch --config_file {config_path('2nodes_8gpus.yaml')} " in args, args  # the shipped config, found
+    assert "--resume_from_checkpoint latest" in args, args
 
 
 # --- 10. Ctrl-C -----------------------------------------------------------------------------------------------
