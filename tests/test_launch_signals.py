@@ -7,7 +7,13 @@ group) is the same polite stop with exit 130; a second one stops at once. Under 
 1 for any failure, the script's own exit status (2, 3, 143) reaches `$TUTORIAL_EXIT_STATUS_FILE` with one line from
 one process, and the SLURM script acts on that status. From accelerate 1.16 on both of `accelerate launch`'s ways pass
 a signal on and return 128 + the signal; the one-process one SIGKILLs 5 s later, so a run whose checkpoint cannot be
-saved in that time is refused at start (the tests name the version where they differ)."""
+saved in that time is refused at start (the tests name the version where they differ).
+
+A signal goes to a real `accelerate launch` process, or to a process that calls `notebook_launcher` as a notebook's
+kernel does (forked from the library's fork server, 11a: like a kernel, it has imported torch and the library). The
+runs whose weights are only compared (the straight runs, the resumed ones) are forked from that server too, two of
+them joined as one gloo group: their numbers are those of the same run under `accelerate launch`, without its
+start-up cost."""
 
 import importlib.metadata
 import json
@@ -33,6 +39,7 @@ from tutorial_lib.checkpoints import (
     verify_checkpoint,
 )
 from tutorial_lib.cli import as_flags, config_path
+from tutorial_lib.core import free_port
 from tutorial_lib.launching import (
     ACCELERATE_KILL_AFTER_S,
     EXIT_STATUS_ENV,
@@ -68,12 +75,33 @@ def straight(tmp_path_factory, data) -> dict:
     """The weights of LONG at step STOP, never interrupted, on one process and on two."""
     work = tmp_path_factory.mktemp("straight")
     digests = {}
-    for processes, launcher in ((1, "fork"), (2, "accelerate_2proc")):
-        options = {**LONG, "path_to_data": data, "working_directory": work, "experiment_name": f"p{processes}"}
-        done = run_cli(as_flags(options), launcher=launcher, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        digests[processes] = weights_at_stop(work / f"p{processes}")
+    for processes in (1, 2):
+        name = f"p{processes}"
+        run_forked(
+            {**LONG, "path_to_data": data, "working_directory": work, "experiment_name": name}, work / name, processes
+        )
+        digests[processes] = weights_at_stop(work / name)
     return digests
+
+
+def run_forked(options: dict, log_prefix: Path, processes: int) -> None:
+    """Run the training command line with `options` to its end on `processes` processes forked from the fork server,
+    two of them joined by the variables a launcher sets (rank, world size, rendezvous address) into one gloo group,
+    as `accelerate launch --multi_gpu --num_processes 2` joins its two."""
+    port, flags = str(free_port()), as_flags(options)
+    group = {"WORLD_SIZE": str(processes), "LOCAL_WORLD_SIZE": str(processes), "MASTER_ADDR": "127.0.0.1"}
+    ranks = [
+        TrainingProcess(
+            flags,
+            f"{log_prefix}.rank{rank}",
+            "fork",
+            env=child_env(**group, MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank)) if processes > 1 else None,
+        )
+        for rank in range(processes)
+    ]
+    for rank in ranks:
+        done = rank.result(600)
+        assert done.returncode == 0, done.stderr[-3000:]
 
 
 def weights_at_stop(run_dir: Path) -> str:
@@ -100,15 +128,20 @@ def stopped_line(result: CliResult) -> str:
 
 
 def assert_checkpointed_and_resumes_identically(
-    tmp_path, data, name, launcher, stopped: CliResult, signame: str, expected_sha: str
+    tmp_path, data, name, processes: int, stopped: CliResult, signame: str, expected_sha: str
 ) -> None:
-    """The run stopped after a step it names, with a checkpoint of that step; resumed, it ends with `expected_sha`."""
+    """The run stopped after a step it names, with a checkpoint of that step; resumed on as many processes (forked:
+    what is checked is the checkpoint), it ends with `expected_sha`."""
     step = stopped_by_the_signal(stopped, signame)
     assert latest_checkpoint(tmp_path / "runs" / name).name == f"step_{step:09d}"
     assert not stopped.script_traceback, stopped.stderr[-3000:]
-    resumed = start(tmp_path, data, name, launcher, {**LONG, "resume_from_checkpoint": "latest"}).result(600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resume(tmp_path, data, name, processes)
     assert weights_at_stop(tmp_path / "runs" / name) == expected_sha
+
+
+def resume(tmp_path, data, name, processes: int) -> None:
+    options = {**LONG, "path_to_data": data, "working_directory": tmp_path / "runs", "experiment_name": name}
+    run_forked({**options, "resume_from_checkpoint": "latest"}, tmp_path / "logs" / f"{name}_resumed", processes)
 
 
 def stopped_by_the_signal(stopped: CliResult, signame: str) -> int:
@@ -148,7 +181,7 @@ def test_sigterm_to_a_one_process_accelerate_launch_checkpoints_exits_143_and_re
     else:  # 1.0-1.15, torchrun's agent passes the signal on, waits for the training to end and returns 1
         assert stopped.launcher_returncode == 1 and not still_running, still_running
     assert not [p.pid for p in family.values() if _running(p)], "a process of the launch was left running"
-    assert_checkpointed_and_resumes_identically(tmp_path, data, "run", launcher, stopped, "SIGTERM", straight[1])
+    assert_checkpointed_and_resumes_identically(tmp_path, data, "run", 1, stopped, "SIGTERM", straight[1])
 
 
 # On PYTHONPATH of a test's training processes: every `Accelerator.save_state` sleeps $SLOW_SAVE_S first.
@@ -226,50 +259,15 @@ def test_sigterm_to_a_two_process_accelerate_launch_checkpoints_exits_143_and_re
     assert (stopped.returncode, stopped.launcher_returncode) == (143, launcher_status), stopped.stderr[-3000:]
     manifest = verify_checkpoint(latest_checkpoint(tmp_path / "runs" / "run"))
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(manifest["files"]), "both processes saved their state"
-    assert_checkpointed_and_resumes_identically(
-        tmp_path, data, "run", "accelerate_2proc", stopped, "SIGTERM", straight[2]
-    )
+    assert_checkpointed_and_resumes_identically(tmp_path, data, "run", 2, stopped, "SIGTERM", straight[2])
 
 
-NOTEBOOK_LAUNCH = textwrap.dedent("""
-    import json, sys
-    from tutorial_lib.launching import launch_with_timeout
-    from tutorial_lib.flags import default_args
-    from tutorial_lib.train import train
-
-    def run(options):
-        final = train(default_args(**options))
-        if final["exit_status"]:
-            raise SystemExit(final["exit_status"])
-
-    if __name__ == "__main__":
-        try:
-            launch_with_timeout(run, (json.loads(sys.argv[1]),), num_processes=int(sys.argv[2]))
-        except KeyboardInterrupt:  # a notebook shows it as an interrupted cell
-            print("KeyboardInterrupt from launch_with_timeout", flush=True)
-            raise SystemExit(130)
-""")
-
-
-def notebook_launch(tmp_path, data, name, processes, **extra) -> subprocess.Popen:
-    script = tmp_path / "notebook_launch.py"
-    script.write_text(NOTEBOOK_LAUNCH)
-    options = {
-        **LONG,
-        "path_to_data": str(data),
-        "working_directory": str(tmp_path / "runs"),
-        "experiment_name": name,
-        **extra,
-    }
-    out = open(tmp_path / f"{name}.out", "a")
-    return subprocess.Popen(
-        [sys.executable, str(script), json.dumps(options), str(processes)],
-        cwd=ROOT,
-        env=child_env(),
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+def notebook_launch(tmp_path, data, name, processes) -> TrainingProcess:
+    """A process that calls `launch_with_timeout` on the training, as a notebook's cell does (tests/notebook_launch.py),
+    forked from the fork server: like a notebook's kernel, it has imported torch and the library before."""
+    options = {**LONG, "path_to_data": str(data), "working_directory": str(tmp_path / "runs"), "experiment_name": name}
+    argv = [json.dumps(options), str(processes)]
+    return TrainingProcess(argv, tmp_path / "logs" / name, "fork", module="notebook_launch")
 
 
 @pytest.mark.slow
@@ -288,23 +286,18 @@ def test_a_signal_to_a_notebook_launcher_process_checkpoints_and_resumes_identic
     """SIGTERM goes to the process that called `notebook_launcher`; Ctrl-C to its whole process group, as a terminal
     sends it (with 2 processes the workers then get it twice: from the terminal and from torch's agent)."""
     proc = notebook_launch(tmp_path, data, "nb", processes)
-    metrics, deadline = tmp_path / "runs" / "nb" / "metrics.jsonl", time.time() + 240
-    while not (metrics.exists() and metrics.read_text().strip()) and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    assert proc.poll() is None, (tmp_path / "nb.out").read_text()[-3000:]
+    wait_for_first_epoch(tmp_path, "nb", proc)
     if signum == signal.SIGINT:
-        os.killpg(proc.pid, signal.SIGINT)  # the session the test started: the script and its workers only
+        os.killpg(proc.pid, signal.SIGINT)  # the session it started: the process and its workers only
     else:
-        proc.send_signal(signum)
-    code = proc.wait(300)
-    output = (tmp_path / "nb.out").read_text()
-    assert code == 128 + signum, (code, output[-3000:])
-    stopped = CliResult(code, output, "", 0.0)
+        os.kill(proc.pid, signum)
+    stopped = proc.result(300)
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 128 + signum, (stopped.returncode, output[-3000:])
     assert "Traceback" not in output, output[-3000:]
     step = stopped_by_the_signal(stopped, signal.Signals(signum).name)
     assert latest_checkpoint(tmp_path / "runs" / "nb").name == f"step_{step:09d}"
-    resumed = notebook_launch(tmp_path, data, "nb", processes, resume_from_checkpoint="latest")
-    assert resumed.wait(600) == 0, (tmp_path / "nb.out").read_text()[-3000:]
+    resume(tmp_path, data, "nb", processes)
     assert weights_at_stop(tmp_path / "runs" / "nb") == straight[processes]
 
 
@@ -551,15 +544,18 @@ def test_ctrl_c_in_a_terminal_checkpoints_exits_130_with_one_line_and_resumes_id
     if launcher == "python":
         assert stopped.stderr_lines == said, "one line, no traceback"
     processes = 2 if launcher == "accelerate_2proc" else 1
-    assert_checkpointed_and_resumes_identically(tmp_path, data, "run", launcher, stopped, "SIGINT", straight[processes])
+    assert_checkpointed_and_resumes_identically(
+        tmp_path, data, "run", processes, stopped, "SIGINT", straight[processes]
+    )
 
 
 @pytest.mark.slow
 def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint_in_one_line(tmp_path):
-    """12 micro-batches of ResNet18 at 128 px make the first optimizer step last seconds: time to press again."""
+    """12 micro-batches of ResNet18 at 128 px make the first optimizer step last seconds: time to press again. (The
+    run is forked from the fork server: what is checked is the training's answer to Ctrl-C, not a cold start.)"""
     data = make_image_folder(tmp_path / "data")  # 96 training images: 12 batches of 8, one optimizer step per epoch
     slow = dict(CASE_RUN, model="resnet18", img_size=128, batch_size=8, gradient_accumulation_steps=12, epochs=1)
-    proc = start(tmp_path, data, "slow", "python", slow)
+    proc = start(tmp_path, data, "slow", "fork", slow)
     config, deadline = tmp_path / "runs" / "slow" / "config.json", time.time() + 240
     while not config.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)  # written just before the training loop
