@@ -177,6 +177,7 @@ def test_sigterm_to_a_one_process_accelerate_launch_checkpoints_exits_143_and_re
         time.sleep(0.005)
     launcher_seconds, still_running = time.perf_counter() - sent, [p.pid for p in family.values() if _running(p)]
     stopped = proc.result(300)
+    seconds = time.perf_counter() - sent  # until no process of the launch was left
     assert stopped.returncode == 143, (stopped.returncode, stopped.stderr[-3000:])  # the script's own status
     if ACCELERATE_1_16:  # both pass the signal on, wait for the training and return 128 + the signal
         assert stopped.launcher_returncode == 143 and not still_running, (stopped.launcher_returncode, still_running)
@@ -188,8 +189,8 @@ def test_sigterm_to_a_one_process_accelerate_launch_checkpoints_exits_143_and_re
         assert stopped.launcher_returncode == 1 and not still_running, still_running
     assert not [p.pid for p in family.values() if _running(p)], "a process of the launch was left running"
     if slow:  # the launch waited for the slow save, which was complete
-        seconds, step = time.perf_counter() - sent, stopped_by_the_signal(stopped, "SIGTERM")
         assert seconds > SLOW_SAVE_S, seconds
+        step = stopped_by_the_signal(stopped, "SIGTERM")
         assert verify_checkpoint(latest_checkpoint(tmp_path / "runs" / "run"))["step"] == step
         assert not incomplete_checkpoints(tmp_path / "runs" / "run")
     assert_checkpointed_and_resumes_identically(tmp_path, data, "run", 1, stopped, "SIGTERM", straight[1], options)
