@@ -333,38 +333,19 @@ def test_help_formatter_keeps_a_default_said_in_words_and_adds_the_others():
     assert blocks["--epochs"].endswith("passes over the data (default: 90)"), blocks["--epochs"]
 
 
-FORK_AFTER_THREADS = """
-import torch
-torch.set_num_threads(2)
-conv, x = torch.nn.Conv2d(3, 32, 3), torch.randn(16, 3, 64, 64)
-for _ in range(3):
-    conv(x).sum().backward()  # this process has now computed on its 2 OpenMP threads
-from tutorial_lib.accumulation import run_accumulation_timeline
-from tutorial_lib.parallel import run_ddp_gradient_check
-run_accumulation_timeline()
-run_ddp_gradient_check()
-print("launched twice")
-"""
-
-
 @pytest.mark.slow
-def test_launches_from_a_process_that_computed_on_several_threads_finish():
+def test_launches_from_a_process_that_computed_on_several_threads_finish(tmp_path):
     """A forked worker's first multi-threaded operation waits forever once its parent has used OpenMP threads
     (GCC's libgomp keeps no threads across a fork): 01's and 02's launches run their workers through
-    `fork_safe`, on one thread. In a fresh interpreter, so that the parent's threads are known to exist."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", FORK_AFTER_THREADS],
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=180)  # both launches take seconds; the hang is forever
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # the forked workers too
-        proc.communicate()
+    `fork_safe`, on one thread. Their parent is forked from the fork server, which imported torch but never computed,
+    so that the threads it then computes on are known to be its own (tests/fork_after_threads.py)."""
+    from tutorial_lib.processes import TrainingProcess, child_env
+
+    env = {k: v for k, v in child_env().items() if k != "OMP_NUM_THREADS"}
+    proc = TrainingProcess([], tmp_path / "threads", "fork", env=env, module="fork_after_threads")
+    if proc.wait(180) is None:  # both launches take seconds; the hang is forever
+        os.killpg(proc.pid, 9)  # the launched workers too
+        proc.wait(30)
         pytest.fail("a launched worker hung in its first multi-threaded operation")
-    assert proc.returncode == 0 and "launched twice" in out, err[-3000:]
+    done = proc.result(10)
+    assert done.returncode == 0 and "launched twice" in done.stdout, done.stderr[-3000:]

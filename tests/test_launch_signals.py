@@ -7,7 +7,13 @@ group) is the same polite stop with exit 130; a second one stops at once. Under 
 1 for any failure, the script's own exit status (2, 3, 143) reaches `$TUTORIAL_EXIT_STATUS_FILE` with one line from
 one process, and the SLURM script acts on that status. From accelerate 1.16 on both of `accelerate launch`'s ways pass
 a signal on and return 128 + the signal; the one-process one SIGKILLs 5 s later, so a run whose checkpoint cannot be
-saved in that time is refused at start (the tests name the version where they differ)."""
+saved in that time is refused at start (the tests name the version where they differ).
+
+A signal goes to a real `accelerate launch` process, or to a process that calls `notebook_launcher` as a notebook's
+kernel does (forked from the library's fork server, 11a: like a kernel, it has imported torch and the library). The
+runs whose weights are only compared (the straight runs, the resumed ones) are forked from that server too, two of
+them joined as one gloo group: their numbers are those of the same run under `accelerate launch`, without its
+start-up cost."""
 
 import importlib.metadata
 import json
@@ -33,6 +39,7 @@ from tutorial_lib.checkpoints import (
     verify_checkpoint,
 )
 from tutorial_lib.cli import as_flags, config_path
+from tutorial_lib.core import free_port
 from tutorial_lib.launching import (
     ACCELERATE_KILL_AFTER_S,
     EXIT_STATUS_ENV,
@@ -68,12 +75,33 @@ def straight(tmp_path_factory, data) -> dict:
     """The weights of LONG at step STOP, never interrupted, on one process and on two."""
     work = tmp_path_factory.mktemp("straight")
     digests = {}
-    for processes, launcher in ((1, "fork"), (2, "accelerate_2proc")):
-        options = {**LONG, "path_to_data": data, "working_directory": work, "experiment_name": f"p{processes}"}
-        done = run_cli(as_flags(options), launcher=launcher, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        digests[processes] = weights_at_stop(work / f"p{processes}")
+    for processes in (1, 2):
+        name = f"p{processes}"
+        run_forked(
+            {**LONG, "path_to_data": data, "working_directory": work, "experiment_name": name}, work / name, processes
+        )
+        digests[processes] = weights_at_stop(work / name)
     return digests
+
+
+def run_forked(options: dict, log_prefix: Path, processes: int) -> None:
+    """Run the training command line with `options` to its end on `processes` processes forked from the fork server,
+    two of them joined by the variables a launcher sets (rank, world size, rendezvous address) into one gloo group,
+    as `accelerate launch --multi_gpu --num_processes 2` joins its two."""
+    port, flags = str(free_port()), as_flags(options)
+    group = {"WORLD_SIZE": str(processes), "LOCAL_WORLD_SIZE": str(processes), "MASTER_ADDR": "127.0.0.1"}
+    ranks = [
+        TrainingProcess(
+            flags,
+            f"{log_prefix}.rank{rank}",
+            "fork",
+            env=child_env(**group, MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank)) if processes > 1 else None,
+        )
+        for rank in range(processes)
+    ]
+    for rank in ranks:
+        done = rank.result(600)
+        assert done.returncode == 0, done.stderr[-3000:]
 
 
 def weights_at_stop(run_dir: Path) -> str:
@@ -81,9 +109,9 @@ def weights_at_stop(run_dir: Path) -> str:
     return sha256_file(run_dir / "checkpoints" / f"step_{STOP:09d}" / "model.safetensors")
 
 
-def start(tmp_path, data, name, launcher, options=LONG) -> TrainingProcess:
+def start(tmp_path, data, name, launcher, options=LONG, env=None) -> TrainingProcess:
     flags = as_flags({**options, "path_to_data": data, "working_directory": tmp_path / "runs", "experiment_name": name})
-    return TrainingProcess(flags, tmp_path / "logs" / name, launcher)
+    return TrainingProcess(flags, tmp_path / "logs" / name, launcher, env=env)
 
 
 def wait_for_first_epoch(tmp_path, name, proc, timeout=240) -> None:
@@ -100,15 +128,20 @@ def stopped_line(result: CliResult) -> str:
 
 
 def assert_checkpointed_and_resumes_identically(
-    tmp_path, data, name, launcher, stopped: CliResult, signame: str, expected_sha: str
+    tmp_path, data, name, processes: int, stopped: CliResult, signame: str, expected_sha: str, options=LONG
 ) -> None:
-    """The run stopped after a step it names, with a checkpoint of that step; resumed, it ends with `expected_sha`."""
+    """The run stopped after a step it names, with a checkpoint of that step; resumed on as many processes (forked:
+    what is checked is the checkpoint), it ends with `expected_sha`."""
     step = stopped_by_the_signal(stopped, signame)
     assert latest_checkpoint(tmp_path / "runs" / name).name == f"step_{step:09d}"
     assert not stopped.script_traceback, stopped.stderr[-3000:]
-    resumed = start(tmp_path, data, name, launcher, {**LONG, "resume_from_checkpoint": "latest"}).result(600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resume(tmp_path, data, name, processes, options)
     assert weights_at_stop(tmp_path / "runs" / name) == expected_sha
+
+
+def resume(tmp_path, data, name, processes: int, options=LONG) -> None:
+    options = {**options, "path_to_data": data, "working_directory": tmp_path / "runs", "experiment_name": name}
+    run_forked({**options, "resume_from_checkpoint": "latest"}, tmp_path / "logs" / f"{name}_resumed", processes)
 
 
 def stopped_by_the_signal(stopped: CliResult, signame: str) -> int:
@@ -128,7 +161,13 @@ def stopped_by_the_signal(stopped: CliResult, signame: str) -> int:
 def test_sigterm_to_a_one_process_accelerate_launch_checkpoints_exits_143_and_resumes_identically(
     tmp_path, data, straight, launcher
 ):
-    proc = start(tmp_path, data, "run", launcher)
+    """Where the launcher does not SIGKILL its training 5 s after passing the SIGTERM on (torchrun's agent, `1gpu.yaml`,
+    waits 30 s; accelerate's plain subprocess before 1.16 kills nothing), every checkpoint save takes SLOW_SAVE_S s,
+    more than that: the run still ends with a complete checkpoint of the step it names. (Under accelerate's own
+    one-process launcher from 1.16 on, such a run is refused at start: the next test.)"""
+    slow = launcher == "accelerate_1gpu" or not ACCELERATE_1_16
+    options = dict(LONG, save_checkpoint_interval=LONG["epochs"]) if slow else LONG  # no save before the stop's
+    proc = start(tmp_path, data, "run", launcher, options, env=slow_save_env(tmp_path) if slow else None)
     wait_for_first_epoch(tmp_path, "run", proc)
     family = proc._list_family(every=0)
     assert family, "the launcher started a training process"
@@ -138,6 +177,7 @@ def test_sigterm_to_a_one_process_accelerate_launch_checkpoints_exits_143_and_re
         time.sleep(0.005)
     launcher_seconds, still_running = time.perf_counter() - sent, [p.pid for p in family.values() if _running(p)]
     stopped = proc.result(300)
+    seconds = time.perf_counter() - sent  # until no process of the launch was left
     assert stopped.returncode == 143, (stopped.returncode, stopped.stderr[-3000:])  # the script's own status
     if ACCELERATE_1_16:  # both pass the signal on, wait for the training and return 128 + the signal
         assert stopped.launcher_returncode == 143 and not still_running, (stopped.launcher_returncode, still_running)
@@ -148,7 +188,12 @@ def test_sigterm_to_a_one_process_accelerate_launch_checkpoints_exits_143_and_re
     else:  # 1.0-1.15, torchrun's agent passes the signal on, waits for the training to end and returns 1
         assert stopped.launcher_returncode == 1 and not still_running, still_running
     assert not [p.pid for p in family.values() if _running(p)], "a process of the launch was left running"
-    assert_checkpointed_and_resumes_identically(tmp_path, data, "run", launcher, stopped, "SIGTERM", straight[1])
+    if slow:  # the launch waited for the slow save, which was complete
+        assert seconds > SLOW_SAVE_S, seconds
+        step = stopped_by_the_signal(stopped, "SIGTERM")
+        assert verify_checkpoint(latest_checkpoint(tmp_path / "runs" / "run"))["step"] == step
+        assert not incomplete_checkpoints(tmp_path / "runs" / "run")
+    assert_checkpointed_and_resumes_identically(tmp_path, data, "run", 1, stopped, "SIGTERM", straight[1], options)
 
 
 # On PYTHONPATH of a test's training processes: every `Accelerator.save_state` sleeps $SLOW_SAVE_S first.
@@ -180,38 +225,23 @@ def slow_save_env(tmp_path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ONE_PROCESS)
-def test_a_save_slower_than_the_launchers_grace_is_refused_at_start_or_ends_a_polite_stop_complete(
-    tmp_path, data, launcher
-):
+@pytest.mark.skipif(not ACCELERATE_1_16, reason="before 1.16 accelerate's one-process launcher kills nothing")
+def test_a_save_slower_than_the_launchers_grace_is_refused_at_start(tmp_path, data):
     """Every checkpoint save takes SLOW_SAVE_S s, more than the 5 s between the SIGTERM that accelerate's (1.16 on)
     one-process launcher passes on and its SIGKILL. Under it the run is refused at start, in one line that says why
-    and how to launch instead; under torchrun's agent (`1gpu.yaml`, 30 s) and accelerate before 1.16 (which kills
-    nothing) a SIGTERM to the launcher ends the run with a complete checkpoint of the step it names."""
+    and how to launch instead. (Under torchrun's agent, `1gpu.yaml`, and accelerate before 1.16, a SIGTERM to the
+    launcher ends such a run with a complete checkpoint: the SIGTERM test's slow saves.)"""
     slow = dict(LONG, save_checkpoint_interval=LONG["epochs"])  # no save before the stop's
     flags = as_flags({**slow, "path_to_data": data, "working_directory": tmp_path / "runs", "experiment_name": "run"})
-    proc = TrainingProcess(flags, tmp_path / "logs" / "run", launcher, env=slow_save_env(tmp_path))
-    if launcher == "accelerate" and ACCELERATE_1_16:
-        refused = proc.result(300)
-        errors = [text for text in refused.stderr_lines if text.startswith("tutorial-train:")]
-        assert (refused.returncode, refused.launcher_returncode) == (2, 1), refused.stderr[-3000:]
-        assert len(errors) == 1 and errors[0].startswith("tutorial-train: error: a checkpoint takes about "), errors
-        assert "SIGKILLs the training 5 s after it passes a SIGTERM on" in errors[0] and "1gpu.yaml" in errors[0]
-        timed = float(errors[0].split("takes about ")[1].split()[0])
-        assert timed >= SLOW_SAVE_S, errors[0]  # the save it timed was the slow one
-        assert not list_checkpoints(tmp_path / "runs" / "run") and not incomplete_checkpoints(tmp_path / "runs" / "run")
-        assert not (tmp_path / "runs" / "run" / "metrics.jsonl").exists(), "refused before the first step"
-        return
-    wait_for_first_epoch(tmp_path, "run", proc)
-    sent = time.perf_counter()
-    os.kill(proc.pid, signal.SIGTERM)
-    stopped = proc.result(300)
-    seconds = time.perf_counter() - sent
-    assert stopped.returncode == 143 and seconds > SLOW_SAVE_S, (stopped.returncode, seconds, stopped.stderr[-3000:])
-    step = stopped_by_the_signal(stopped, "SIGTERM")
-    checkpoint = latest_checkpoint(tmp_path / "runs" / "run")
-    assert checkpoint.name == f"step_{step:09d}" and verify_checkpoint(checkpoint)["step"] == step
-    assert not incomplete_checkpoints(tmp_path / "runs" / "run")
+    refused = TrainingProcess(flags, tmp_path / "logs" / "run", "accelerate", env=slow_save_env(tmp_path)).result(300)
+    errors = [text for text in refused.stderr_lines if text.startswith("tutorial-train:")]
+    assert (refused.returncode, refused.launcher_returncode) == (2, 1), refused.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith("tutorial-train: error: a checkpoint takes about "), errors
+    assert "SIGKILLs the training 5 s after it passes a SIGTERM on" in errors[0] and "1gpu.yaml" in errors[0]
+    timed = float(errors[0].split("takes about ")[1].split()[0])
+    assert timed >= SLOW_SAVE_S, errors[0]  # the save it timed was the slow one
+    assert not list_checkpoints(tmp_path / "runs" / "run") and not incomplete_checkpoints(tmp_path / "runs" / "run")
+    assert not (tmp_path / "runs" / "run" / "metrics.jsonl").exists(), "refused before the first step"
 
 
 @pytest.mark.slow
@@ -226,50 +256,15 @@ def test_sigterm_to_a_two_process_accelerate_launch_checkpoints_exits_143_and_re
     assert (stopped.returncode, stopped.launcher_returncode) == (143, launcher_status), stopped.stderr[-3000:]
     manifest = verify_checkpoint(latest_checkpoint(tmp_path / "runs" / "run"))
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(manifest["files"]), "both processes saved their state"
-    assert_checkpointed_and_resumes_identically(
-        tmp_path, data, "run", "accelerate_2proc", stopped, "SIGTERM", straight[2]
-    )
+    assert_checkpointed_and_resumes_identically(tmp_path, data, "run", 2, stopped, "SIGTERM", straight[2])
 
 
-NOTEBOOK_LAUNCH = textwrap.dedent("""
-    import json, sys
-    from tutorial_lib.launching import launch_with_timeout
-    from tutorial_lib.flags import default_args
-    from tutorial_lib.train import train
-
-    def run(options):
-        final = train(default_args(**options))
-        if final["exit_status"]:
-            raise SystemExit(final["exit_status"])
-
-    if __name__ == "__main__":
-        try:
-            launch_with_timeout(run, (json.loads(sys.argv[1]),), num_processes=int(sys.argv[2]))
-        except KeyboardInterrupt:  # a notebook shows it as an interrupted cell
-            print("KeyboardInterrupt from launch_with_timeout", flush=True)
-            raise SystemExit(130)
-""")
-
-
-def notebook_launch(tmp_path, data, name, processes, **extra) -> subprocess.Popen:
-    script = tmp_path / "notebook_launch.py"
-    script.write_text(NOTEBOOK_LAUNCH)
-    options = {
-        **LONG,
-        "path_to_data": str(data),
-        "working_directory": str(tmp_path / "runs"),
-        "experiment_name": name,
-        **extra,
-    }
-    out = open(tmp_path / f"{name}.out", "a")
-    return subprocess.Popen(
-        [sys.executable, str(script), json.dumps(options), str(processes)],
-        cwd=ROOT,
-        env=child_env(),
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+def notebook_launch(tmp_path, data, name, processes) -> TrainingProcess:
+    """A process that calls `launch_with_timeout` on the training, as a notebook's cell does (tests/notebook_launch.py),
+    forked from the fork server: like a notebook's kernel, it has imported torch and the library before."""
+    options = {**LONG, "path_to_data": str(data), "working_directory": str(tmp_path / "runs"), "experiment_name": name}
+    argv = [json.dumps(options), str(processes)]
+    return TrainingProcess(argv, tmp_path / "logs" / name, "fork", module="notebook_launch")
 
 
 @pytest.mark.slow
@@ -288,38 +283,33 @@ def test_a_signal_to_a_notebook_launcher_process_checkpoints_and_resumes_identic
     """SIGTERM goes to the process that called `notebook_launcher`; Ctrl-C to its whole process group, as a terminal
     sends it (with 2 processes the workers then get it twice: from the terminal and from torch's agent)."""
     proc = notebook_launch(tmp_path, data, "nb", processes)
-    metrics, deadline = tmp_path / "runs" / "nb" / "metrics.jsonl", time.time() + 240
-    while not (metrics.exists() and metrics.read_text().strip()) and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    assert proc.poll() is None, (tmp_path / "nb.out").read_text()[-3000:]
+    wait_for_first_epoch(tmp_path, "nb", proc)
     if signum == signal.SIGINT:
-        os.killpg(proc.pid, signal.SIGINT)  # the session the test started: the script and its workers only
+        os.killpg(proc.pid, signal.SIGINT)  # the session it started: the process and its workers only
     else:
-        proc.send_signal(signum)
-    code = proc.wait(300)
-    output = (tmp_path / "nb.out").read_text()
-    assert code == 128 + signum, (code, output[-3000:])
-    stopped = CliResult(code, output, "", 0.0)
+        os.kill(proc.pid, signum)
+    stopped = proc.result(300)
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 128 + signum, (stopped.returncode, output[-3000:])
     assert "Traceback" not in output, output[-3000:]
     step = stopped_by_the_signal(stopped, signal.Signals(signum).name)
     assert latest_checkpoint(tmp_path / "runs" / "nb").name == f"step_{step:09d}"
-    resumed = notebook_launch(tmp_path, data, "nb", processes, resume_from_checkpoint="latest")
-    assert resumed.wait(600) == 0, (tmp_path / "nb.out").read_text()[-3000:]
+    resume(tmp_path, data, "nb", processes)
     assert weights_at_stop(tmp_path / "runs" / "nb") == straight[processes]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["python", "accelerate_1gpu"])
-def test_a_sigterm_while_a_finished_run_exits_ends_it_with_its_own_status(tmp_path, data, launcher):
-    """The training is over and its status recorded; a SIGTERM now (a scheduler's, at the end of the job's time) has
-    nothing to stop: the process finishes with status 0 instead of dying of the signal, which torchrun's agent
-    (`1gpu.yaml`) would report as a failed launch with no status recorded."""
+def test_a_sigterm_while_a_finished_run_exits_ends_it_with_its_own_status(tmp_path, data):
+    """The training is over and its status recorded; a SIGTERM now (a scheduler's, at the end of the job's time) to
+    torchrun's agent (`1gpu.yaml`), which passes it on, has nothing to stop: the process finishes with status 0 instead
+    of dying of the signal, which the agent would report as a failed launch with no status recorded. (The same
+    signal to `python -m tutorial_lib.train` itself: tests/test_rerun_tools.py.)"""
     logs = tmp_path / "logs" / "run"
     status_file = Path(f"{logs}.status")  # where TrainingProcess points an accelerate launch's status too
     flags = as_flags(
         {**CASE_RUN, "path_to_data": data, "working_directory": tmp_path / "runs", "experiment_name": "run"}
     )
-    proc = TrainingProcess(flags, logs, launcher, env={**child_env(), EXIT_STATUS_ENV: str(status_file)})
+    proc = TrainingProcess(flags, logs, "accelerate_1gpu", env={**child_env(), EXIT_STATUS_ENV: str(status_file)})
     deadline = time.time() + 240
     while read_exit_status(status_file) is None and proc.poll() is None and time.time() < deadline:
         time.sleep(0.001)
@@ -329,9 +319,6 @@ def test_a_sigterm_while_a_finished_run_exits_ends_it_with_its_own_status(tmp_pa
     assert done.returncode == 0, (done.returncode, done.launcher_returncode, done.stderr[-3000:])
     assert "stopped at optimizer step" not in done.stdout and not done.script_traceback, done.stderr[-3000:]
     assert (tmp_path / "runs" / "run" / "model.safetensors").exists()
-    if launcher == "python":  # the signal reached the script itself, which said so
-        late = "tutorial-train: SIGTERM after the training was over: nothing to stop, finishing"
-        assert late in done.stderr_lines, done.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -486,7 +473,10 @@ def test_the_slurm_script_requeues_only_a_run_stopped_with_a_checkpoint_and_exit
 ):
     stubs = tmp_path / "bin"
     stubs.mkdir()
-    for name, text in STUBS.items():
+    stand_ins = dict(STUBS)
+    if outcome != "term":  # the script's config lookup (a Python importing the library, ~2 CPU-s) runs in "term"
+        stand_ins["python"] = f"#!/bin/bash\necho {config_path('2nodes_8gpus.yaml')}\n"
+    for name, text in stand_ins.items():
         (stubs / name).write_text(text)
         (stubs / name).chmod(0o755)
     path = os.pathsep.join([str(stubs), str(Path(sys.executable).parent), os.environ["PATH"]])  # this Python first
@@ -520,7 +510,8 @@ def test_the_slurm_script_requeues_only_a_run_stopped_with_a_checkpoint_and_exit
     log = (tmp_path / "scontrol.log").read_text() if (tmp_path / "scontrol.log").exists() else ""
     assert log == ("requeue 4242\n" if requeued else ""), log
     args = (tmp_path / "args").read_text()
-    assert "launch --config_file" in args and "--resume_from_checkpoint latest" in args, args
+    assert f"launch --config_file {config_path('2nodes_8gpus.yaml')} " in args, args  # the shipped config, found
+    assert "--resume_from_checkpoint latest" in args, args
 
 
 # --- 10. Ctrl-C -----------------------------------------------------------------------------------------------
@@ -553,15 +544,18 @@ def test_ctrl_c_in_a_terminal_checkpoints_exits_130_with_one_line_and_resumes_id
     if launcher == "python":
         assert stopped.stderr_lines == said, "one line, no traceback"
     processes = 2 if launcher == "accelerate_2proc" else 1
-    assert_checkpointed_and_resumes_identically(tmp_path, data, "run", launcher, stopped, "SIGINT", straight[processes])
+    assert_checkpointed_and_resumes_identically(
+        tmp_path, data, "run", processes, stopped, "SIGINT", straight[processes]
+    )
 
 
 @pytest.mark.slow
 def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint_in_one_line(tmp_path):
-    """12 micro-batches of ResNet18 at 128 px make the first optimizer step last seconds: time to press again."""
+    """12 micro-batches of ResNet18 at 128 px make the first optimizer step last seconds: time to press again. (The
+    run is forked from the fork server: what is checked is the training's answer to Ctrl-C, not a cold start.)"""
     data = make_image_folder(tmp_path / "data")  # 96 training images: 12 batches of 8, one optimizer step per epoch
     slow = dict(CASE_RUN, model="resnet18", img_size=128, batch_size=8, gradient_accumulation_steps=12, epochs=1)
-    proc = start(tmp_path, data, "slow", "python", slow)
+    proc = start(tmp_path, data, "slow", "fork", slow)
     config, deadline = tmp_path / "runs" / "slow" / "config.json", time.time() + 240
     while not config.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)  # written just before the training loop

@@ -1,11 +1,10 @@
-"""tutorial_lib.launching: `launch_with_timeout` kills a hung launch and runs each process on one thread.
+"""tutorial_lib.launching: `launch_with_timeout` gives up after its last attempt and runs each process on one thread.
+(That a hung launch is killed after its timeout and started again, with no worker left: 06c's check.)
 
 The launched functions live at module level so that they can be pickled."""
 
 import json
-import multiprocessing
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -30,17 +29,6 @@ def hang_once_on_rank_1(marker: str) -> None:
         time.sleep(600)
     accelerator.wait_for_everyone()
     Path(f"{marker}.done{accelerator.process_index}").write_text(str(accelerator.num_processes))
-
-
-@pytest.mark.slow
-def test_launch_with_timeout_kills_a_hung_launch_and_starts_it_again(tmp_path):
-    marker = str(tmp_path / "launches")
-    start = time.perf_counter()
-    launch_with_timeout(hang_once_on_rank_1, (marker,), num_processes=2, timeout=15)
-    assert Path(marker).read_text() == "xx", "expected exactly two launches"
-    assert [Path(f"{marker}.done{r}").read_text() for r in (0, 1)] == ["2", "2"]
-    assert time.perf_counter() - start < 60
-    assert not multiprocessing.active_children(), "the killed workers were not reaped"
 
 
 @pytest.mark.slow

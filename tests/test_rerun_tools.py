@@ -74,9 +74,11 @@ def test_shard_run_again_after_its_source_changed_holds_exactly_the_source_and_k
 # --- item 13: a SIGTERM while the process exits ----------------------------------------------------------------
 
 
-def sigterms_until_exit(tmp_path: Path, name: str, options: dict, first: str) -> tuple[int, int | None, str, str]:
+def sigterms_until_exit(tmp_path: Path, name: str, options: dict, first: str) -> tuple[int, int | None, str, str, bool]:
     """Run the training command line, send SIGTERM once a stdout line starts with `first`, then every 20 ms until
-    the process has exited: some land while Python shuts down. Returns (exit code, recorded status, stdout, stderr)."""
+    the process has exited, and one more the moment its status is recorded: some land while Python shuts down.
+    Returns (exit code, recorded status, stdout, stderr, whether a SIGTERM went to the running process after its
+    status was recorded)."""
     status_file = tmp_path / f"{name}.status"
     flags = as_flags({**options, "working_directory": tmp_path / "runs", "experiment_name": name})
     env = {**child_env(), EXIT_STATUS_ENV: str(status_file)}
@@ -93,28 +95,34 @@ def sigterms_until_exit(tmp_path: Path, name: str, options: dict, first: str) ->
         if line.startswith(first):
             break
     assert proc.poll() is None, f"the run ended before {first!r}:\n{''.join(seen)}\n{proc.stderr.read()[-3000:]}"
-    deadline = time.time() + 120
+    deadline, next_signal, after_status = time.time() + 120, 0.0, False
     while proc.poll() is None and time.time() < deadline:
-        proc.send_signal(signal.SIGTERM)
-        time.sleep(0.02)
+        recorded = read_exit_status(status_file) is not None
+        if time.time() >= next_signal or (recorded and not after_status):
+            proc.send_signal(signal.SIGTERM)
+            next_signal, after_status = time.time() + 0.02, after_status or recorded
+        time.sleep(0.001)
     out, err = proc.communicate(timeout=120)
-    return proc.returncode, read_exit_status(status_file), "".join(seen) + out, err
+    return proc.returncode, read_exit_status(status_file), "".join(seen) + out, err, after_status
 
 
 @pytest.mark.slow
 def test_sigterms_while_a_run_exits_leave_it_the_status_its_training_decided(tmp_path):
-    """A complete run signalled from its last line on ends 0; a run stopped by SIGTERM and signalled again and again
-    while it saves and exits ends 143 with its checkpoint (before: killed by a signal landing in Python's shutdown)."""
+    """A complete run signalled from its last line on, and once its status is recorded, ends 0 and says that the
+    signal found nothing to stop; a run stopped by SIGTERM and signalled again and again while it saves and exits ends
+    143 with its checkpoint (before: killed by a signal landing in Python's shutdown)."""
     data = make_image_folder(tmp_path / "data", classes=3, train_per_class=8, val_per_class=2)
-    done, status, out, err = sigterms_until_exit(
+    done, status, out, err, after_status = sigterms_until_exit(
         tmp_path, "complete", {**CASE_RUN, "path_to_data": data}, first="best val top-1"
     )
-    assert (done, status) == (0, 0), (done, status, err[-3000:])
+    assert (done, status, after_status) == (0, 0, True), (done, status, after_status, err[-3000:])
     assert "Traceback" not in err and "stopped at optimizer step" not in out, err[-3000:]
+    late = "tutorial-train: SIGTERM after the training was over: nothing to stop, finishing"
+    assert late in err.splitlines(), err[-3000:]  # the signal reached the script itself, which said so
     assert (tmp_path / "runs" / "complete" / "model.safetensors").exists()
 
     long = {**CASE_RUN, "epochs": 40, "path_to_data": data}
-    done, status, out, err = sigterms_until_exit(tmp_path, "stopped", long, first="    0 ")
+    done, status, out, err, _ = sigterms_until_exit(tmp_path, "stopped", long, first="    0 ")
     assert (done, status) == (143, 143), (done, status, err[-3000:])
     assert "(SIGTERM): checkpoint saved" in out and "Traceback" not in err, (out[-2000:], err[-3000:])
     assert list((tmp_path / "runs" / "stopped" / "checkpoints").glob("step_*"))
