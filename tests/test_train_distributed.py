@@ -12,7 +12,16 @@ import subprocess
 import sys
 
 import pytest
-from train_helpers import ROOT, TINY, as_flags, bitwise_equal, launch, max_weight_difference, weights
+from train_helpers import (
+    ROOT,
+    TINY,
+    as_flags,
+    assert_scaled_learning_rate,
+    bitwise_equal,
+    launch,
+    max_weight_difference,
+    weights,
+)
 
 from tutorial_lib.accel import read_metrics
 from tutorial_lib.core import free_port
@@ -28,7 +37,8 @@ ACCUMULATION = 3  # 5 batches per process and epoch -> optimizer steps of 3 and 
 def runs(tmp_path_factory):
     """The 2-process run, its 1-process twin, and the same 2 processes as 2 simulated machines."""
     tmp = tmp_path_factory.mktemp("distributed")
-    common = {**TINY, "working_directory": str(tmp), "gradient_accumulation_steps": ACCUMULATION}
+    # no --learning_rate: each run scales it to its global batch (0.1 per 256 images), which the launch prints
+    common = {**TINY, "working_directory": str(tmp), "gradient_accumulation_steps": ACCUMULATION, "learning_rate": None}
     out = launch({**common, "batch_size": 8, "experiment_name": "ddp"}, num_processes=2)
     single = train(default_args(**{**common, "batch_size": 16, "experiment_name": "single"}))
 
@@ -90,6 +100,12 @@ def test_only_the_main_process_prints(runs):
 
 
 @pytest.mark.slow
+def test_the_launch_prints_and_records_the_learning_rate_scaled_to_its_global_batch(runs):
+    # 8 per process x 3 accumulated x 2 processes (on one process: test_train.py)
+    assert_scaled_learning_rate(runs["ddp_out"], runs["tmp"] / "ddp", global_batch=8 * ACCUMULATION * 2)
+
+
+@pytest.mark.slow
 def test_metrics_count_every_sample_exactly_once_on_two_processes(runs):
     rows = read_metrics(runs["tmp"] / "ddp" / "metrics.jsonl")
     assert len(rows) == 2
@@ -103,7 +119,9 @@ def test_metrics_count_every_sample_exactly_once_on_two_processes(runs):
 
 @pytest.mark.slow
 def test_schedule_total_steps_and_final_lr_match_the_formula(runs, tmp_path):
-    """Optimizer steps = epochs x ceil((len(train_loader) // processes) / accumulation), one scheduler step each."""
+    """Optimizer steps = epochs x ceil((len(train_loader) // processes) / accumulation), one scheduler step each
+    (on one process: test_train.py). Neither run sets --learning_rate: the launch with accumulation 1 also prints
+    and records the learning rate scaled to its global batch of 16."""
 
     def check(result, processes, accumulation, batch_size=8):
         batches = (80 // batch_size) // processes  # len(train_loader) after prepare
@@ -113,34 +131,24 @@ def test_schedule_total_steps_and_final_lr_match_the_formula(runs, tmp_path):
             steps,
             steps,
         )
-        assert result["final_lr"] == pytest.approx(0.05 * 0.5**2)  # step decay 0.5 per epoch, 2 epochs
-        assert result["lr"] == pytest.approx(0.05 * 0.5)  # the last optimizer step ran in epoch 1
+        lr = 0.1 * batch_size * accumulation * processes / 256
+        assert result["final_lr"] == pytest.approx(lr * 0.5**2)  # step decay 0.5 per epoch, 2 epochs
+        assert result["lr"] == pytest.approx(lr * 0.5)  # the last optimizer step ran in epoch 1
 
     check(final_metrics(runs["tmp"] / "ddp"), processes=2, accumulation=ACCUMULATION)
-    launch(
+    out = launch(
         {
             **TINY,
             "working_directory": str(tmp_path),
             "experiment_name": "acc1",
             "batch_size": 8,
             "gradient_accumulation_steps": 1,
+            "learning_rate": None,
         },
         num_processes=2,
     )
     check(final_metrics(tmp_path / "acc1"), processes=2, accumulation=1)
-    for accumulation in (1, 3):  # and the same on one process
-        one = train(
-            default_args(
-                **{
-                    **TINY,
-                    "working_directory": str(tmp_path),
-                    "experiment_name": f"one{accumulation}",
-                    "batch_size": 8,
-                    "gradient_accumulation_steps": accumulation,
-                }
-            )
-        )
-        check(one, processes=1, accumulation=accumulation)
+    assert_scaled_learning_rate(out, tmp_path / "acc1", global_batch=16)
 
 
 @pytest.mark.slow
