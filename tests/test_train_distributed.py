@@ -113,7 +113,8 @@ def test_metrics_count_every_sample_exactly_once_on_two_processes(runs):
         assert row["val_count"] == 37, "37 validation images on 2 processes x batch 8: padding must be dropped"
         assert row["train_count"] == 80
     single_rows = read_metrics(runs["tmp"] / "single" / "metrics.jsonl")
-    for a, b in zip(rows, single_rows, strict=True):
+    for a, b in zip(rows, single_rows, strict=True):  # the curves of both runs, epoch by epoch
+        assert a["train_count"] == b["train_count"] and a["train_top1"] == pytest.approx(b["train_top1"])
         assert a["val_top1"] == pytest.approx(b["val_top1"]) and a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
 
 
