@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from safetensors.torch import load_file
 
 from tutorial_lib import simple_train
 from tutorial_lib.core import free_port, linked_subset
+from tutorial_lib.processes import TrainingProcess
 from tutorial_lib.sources import embedded_data_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -347,32 +349,20 @@ def test_one_run_per_folder_a_fresh_start_into_anothers_folder_is_refused_and_la
 def test_one_process_tree_per_folder_a_second_run_while_the_first_runs_is_refused(tmp_path, capsys):
     data = subset(tmp_path / "data", 4, 2)
     common = dict(**SMALL, path_to_data=data, working_directory=tmp_path, experiment_name="busy")
-    first = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tutorial_lib.simple_train",
-            *flags(**{**common, "epochs": 50}, cpu=True, log_with="none"),
-        ],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    # the first run: another process tree, forked from the course's server (11a), which already imported torch
+    argv = flags(**{**common, "epochs": 50}, cpu=True, log_with="none")
+    first = TrainingProcess(argv, tmp_path / "first", launcher="fork", module="tutorial_lib.simple_train")
     try:
         metrics = tmp_path / "busy" / "metrics.jsonl"
         for _ in range(600):  # the first run is training once it has written its first epoch
             if metrics.exists() or first.poll() is not None:
                 break
-            import time
-
             time.sleep(0.2)
-        assert first.poll() is None, first.stderr.read()[-2000:]
+        assert first.poll() is None, first.err_path.read_text()[-2000:]
         err = refused(capsys, **common, resume_from_checkpoint="latest")
         assert "busy" in err, err
     finally:
         first.kill()
-        first.wait()
 
 
 @pytest.mark.slow
@@ -471,7 +461,6 @@ def test_an_experiment_name_that_leaves_the_working_directory_is_refused_before_
 @pytest.mark.slow
 def test_wandb_with_a_key_and_no_answer_from_its_server_logs_offline_within_seconds(tmp_path):
     import socket
-    import time
 
     data = subset(tmp_path / "data", 4, 2)
     closed = socket.socket()  # a port nothing listens on: W&B's server, as a machine without a network sees it
