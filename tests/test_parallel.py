@@ -228,12 +228,12 @@ print(json.dumps(out))
 
 @pytest.mark.parametrize(
     "which,threads,load",
-    [  # by default DDP at 2 threads under load and FSDP at 4; --full-matrix adds the other thread counts
-        ("ddp", 2, True),
+    [  # by default DDP at 2 threads and FSDP at 4; --full-matrix adds the other thread counts, and DDP under load
+        ("ddp", 2, False),  # (the load is 09's claim: test_results.py runs its check under load by default)
         ("fsdp", 4, False),
         *(
             pytest.param(*case, marks=pytest.mark.full_matrix)
-            for case in [("ddp", 1, False), ("ddp", 2, False), ("ddp", 4, False), ("fsdp", 1, False)]
+            for case in [("ddp", 1, False), ("ddp", 2, True), ("ddp", 4, False), ("fsdp", 1, False)]
         ),
     ],
 )

@@ -16,7 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from train_helpers import ROOT, TINY, as_flags, bitwise_equal, launch, max_weight_difference, weights
+from train_helpers import (
+    ROOT,
+    TINY,
+    as_flags,
+    assert_scaled_learning_rate,
+    bitwise_equal,
+    exit_status,
+    max_weight_difference,
+    weights,
+)
 
 from tutorial_lib.accel import read_metrics
 from tutorial_lib.checkpoints import latest_checkpoint, list_checkpoints
@@ -105,20 +114,15 @@ def test_help_says_batch_size_is_per_process_and_gives_the_global_batch_formula(
 
 
 @pytest.mark.slow
-def test_module_entry_point_prints_help():
-    done = subprocess.run(
-        [sys.executable, "-m", "tutorial_lib.train", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    assert "usage: tutorial-train" in done.stdout
+def test_console_script_exits_0_after_a_successful_run(tmp_path, monkeypatch):
+    # setuptools' wrapper does `sys.exit(main())`: anything main() returned would become the exit status. Its own
+    # code runs here, in this process: the claim is about what main() returns, not about starting a process.
+    import signal
 
+    from tutorial_lib.train import LATE_SIGNALS
 
-@pytest.mark.slow
-def test_console_script_exits_0_after_a_successful_run(tmp_path):
-    # setuptools' wrapper does `sys.exit(main())`: anything main() returned would become the exit status.
-    exe = Path(sys.executable).with_name("tutorial-train")
+    wrapper = Path(sys.executable).with_name("tutorial-train")
     argv = [
-        str(exe),
         "--model",
         "tinycnn",
         "--img_size",
@@ -142,8 +146,16 @@ def test_console_script_exits_0_after_a_successful_run(tmp_path):
         "--experiment_name",
         "console",
     ]
-    done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    monkeypatch.setattr(sys, "argv", [str(wrapper), *argv])
+    monkeypatch.chdir(tmp_path)
+    handlers = {name: signal.getsignal(getattr(signal, name)) for name in LATE_SIGNALS}
+    try:  # main() as the process's command line keeps its signal handlers: this process gets its own back
+        with pytest.raises(SystemExit) as exit_:
+            exec(compile(wrapper.read_text(), str(wrapper), "exec"), {"__name__": "__main__"})
+    finally:
+        for name, handler in handlers.items():
+            signal.signal(getattr(signal, name), handler)
+    assert exit_.value.code in (None, 0), f"the console script would exit {exit_.value.code!r}"
     assert (tmp_path / "console" / "model.safetensors").exists()
 
 
@@ -454,8 +466,11 @@ def test_the_v1_defaults_at_global_batch_256_are_torchvisions_recipe():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("processes, accumulation", [(1, 1), (1, 3), (2, 1), (2, 3)])
-def test_the_run_prints_and_records_the_scaled_learning_rate(tmp_path, processes, accumulation):
+@pytest.mark.parametrize("accumulation", [1, 3])  # on 2 processes: test_train_distributed.py's launches
+def test_the_run_prints_and_records_the_scaled_learning_rate(tmp_path, accumulation):
+    import contextlib
+    import io
+
     options = {
         **TINY,
         "batch_size": 8,
@@ -465,25 +480,10 @@ def test_the_run_prints_and_records_the_scaled_learning_rate(tmp_path, processes
         "experiment_name": "lr",
         "learning_rate": None,
     }
-    global_batch = 8 * accumulation * processes
-    if processes == 1:
-        import contextlib
-        import io
-
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            train(default_args(**options))
-        out = printed.getvalue()
-    else:
-        out = launch(options, num_processes=processes)
-    expected = 0.1 * global_batch / 256
-    assert f"lr {expected:.4g} = 0.1 x {global_batch} / 256" in out, out[-2000:]
-    config = json.loads((tmp_path / "lr" / "config.json").read_text())
-    assert config["learning_rate"] == pytest.approx(expected) and (config["lr_base"], config["lr_base_batch"]) == (
-        0.1,
-        256,
-    )
-    assert config["lr_rule"].startswith(f"lr {expected:.4g} = 0.1 x {global_batch} / 256")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        train(default_args(**options))
+    assert_scaled_learning_rate(printed.getvalue(), tmp_path / "lr", global_batch=8 * accumulation)
 
 
 # --- the first hour: launches and outputs say what happens ---------------------------------------------
@@ -524,9 +524,26 @@ def tiny_flags(tmp_path, name="first", **extra):
     return as_flags(options)
 
 
+def run_cli_here(capfd, argv, umask=None) -> tuple[int, str, str]:
+    """Run the training command line in this process, its output going to files (pytest's `capfd` puts files on
+    file descriptors 1 and 2, as a batch job's log does), under `umask` if given; returns (exit code, stdout,
+    stderr). For claims about what a run writes; a launcher, a signal or a cold start needs its own process."""
+    from tutorial_lib.train import main
+
+    capfd.readouterr()
+    previous = os.umask(umask) if umask is not None else None
+    try:
+        code = exit_status(main, argv)
+    finally:
+        if previous is not None:
+            os.umask(previous)
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
 @pytest.mark.slow
-def test_a_run_logged_to_files_has_no_carriage_returns_one_table_and_files_the_umask_allows(tmp_path):
-    code, out, err = run_cli_process(tmp_path, tiny_flags(tmp_path), umask=0o027)
+def test_a_run_logged_to_files_has_no_carriage_returns_one_table_and_files_the_umask_allows(tmp_path, capfd):
+    code, out, err = run_cli_here(capfd, tiny_flags(tmp_path), umask=0o027)
     assert code == 0, err[-2000:]
     assert "\r" not in out + err, "a log must not receive a progress bar's carriage returns"
     assert out.count("train_loss") == 1, "the per-epoch table is printed once, row by row"
@@ -539,8 +556,8 @@ def test_a_run_logged_to_files_has_no_carriage_returns_one_table_and_files_the_u
 
 
 @pytest.mark.slow
-def test_a_start_that_fails_leaves_no_empty_run_folder(tmp_path):
-    code, out, err = run_cli_process(tmp_path, tiny_flags(tmp_path, num_classes=7))
+def test_a_start_that_fails_leaves_no_empty_run_folder(tmp_path, capfd):
+    code, out, err = run_cli_here(capfd, tiny_flags(tmp_path, num_classes=7))
     assert code == 2 and "--num_classes 7 but" in err
     assert not (tmp_path / "runs" / "first").exists(), "the folder made for a run that never started must go"
 
@@ -574,6 +591,7 @@ def test_help_shows_every_default_and_costs_little_more_than_importing_torch(tmp
         [sys.executable, "-m", "tutorial_lib.train", "--help"], capture_output=True, text=True, cwd=ROOT, check=True
     )
     help_s = time.perf_counter() - start
+    assert done.stdout.startswith("usage: tutorial-train"), done.stdout[:200]  # `python -m` reaches the parser
     assert help_s < 1.5 * torch_s + 1.0, f"--help took {help_s:.1f} s, importing torch {torch_s:.1f} s"
     blocks, text = {}, done.stdout  # one block per option: its line and the wrapped lines of its help below
     for block in re.split(r"\n(?=  -)", text):

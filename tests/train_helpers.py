@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -100,6 +101,19 @@ def exit_status(main, argv: list[str]) -> int:
     except SystemExit as exit_:
         return exit_.code
     return 0
+
+
+def assert_scaled_learning_rate(out: str, run_dir: Path, global_batch: int) -> None:
+    """A run started with no --learning_rate printed and recorded the scaled one: 0.1 per 256 images of the
+    global batch (the output `out` of the run, its folder `run_dir`)."""
+    import json
+
+    expected = 0.1 * global_batch / 256
+    assert f"lr {expected:.4g} = 0.1 x {global_batch} / 256" in out, out[-2000:]
+    config = json.loads((Path(run_dir) / "config.json").read_text())
+    assert config["learning_rate"] == pytest.approx(expected)
+    assert (config["lr_base"], config["lr_base_batch"]) == (0.1, 256)
+    assert config["lr_rule"].startswith(f"lr {expected:.4g} = 0.1 x {global_batch} / 256")
 
 
 def assert_user_error(result, message: str, code: int = 2) -> None:
