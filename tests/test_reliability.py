@@ -4,8 +4,8 @@ Every bad input is run through the real command line in its own process (forked 
 imported the library once, so 20 cases cost seconds; two cases also through `python -m
 tutorial_lib.train`) and must exit 2 with exactly one line on stderr and no traceback. Also: safe
 loading (a planted pickle payload is refused and never runs), atomic checkpoints, the NaN/Inf guard,
-W&B without credentials or network, a dying worker in a 2-process launch; one run per folder, resumes that do
-what the command line says, flag checks before any data is read, SIGTERM, and a full disk."""
+W&B without credentials or network; one run per folder, resumes that do what the command line says, flag checks
+before any data is read, SIGTERM, and a full disk. (A dying worker in a 2-process launch is notebook 11's check.)"""
 
 import json
 import os
@@ -35,8 +35,6 @@ from tutorial_lib.processes import (
     TrainingProcess,
     child_env,
     corrupt_image,
-    first_files_of_process,
-    make_image_folder,
     run_cli,
 )
 from tutorial_lib.sources import IMG_EXTENSIONS
@@ -46,31 +44,19 @@ from tutorial_lib.sources import IMG_EXTENSIONS
 ROOT = Path(__file__).resolve().parents[1]
 TINY = CASE_RUN  # one epoch of tinycnn, batch 4 (train_helpers)
 
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    """3 classes x 8 training and 2 validation JPEGs of 16 px."""
-    return make_image_folder(tmp_path_factory.mktemp("data"), classes=3, train_per_class=8, val_per_class=2)
+pytest_plugins = ("shared_runs",)  # small_data, finished_tiny_run: built once per session
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, data) -> Path:
+@pytest.fixture
+def data(small_data) -> Path:
+    """3 classes x 8 training and 2 validation JPEGs of 16 px, shared by the session."""
+    return small_data
+
+
+@pytest.fixture
+def finished_run(finished_tiny_run) -> Path:
     """A completed tinycnn run with mid-epoch checkpoints (the source of the checkpoint cases)."""
-    work = tmp_path_factory.mktemp("runs")
-    done = run_cli(
-        as_flags(
-            {
-                **TINY,
-                "epochs": 2,
-                "checkpoint_every_steps": 2,
-                "path_to_data": data,
-                "working_directory": work,
-                "experiment_name": "tiny",
-            }
-        )
-    )
-    assert done.returncode == 0, done.stderr
-    return work / "tiny"
+    return finished_tiny_run
 
 
 def cli(tmp_path, data, launcher="fork", **options):
@@ -500,42 +486,6 @@ def test_log_with_none_logs_locally_only(tmp_path, data):
     assert done.returncode == 0, done.stderr
     assert not (run / "wandb").exists() and "W&B" not in done.stdout
     assert [r["epoch"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [0, 1]
-
-
-# --- a dying worker ---------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_one_failing_process_ends_the_whole_two_process_launch_quickly(tmp_path, data):
-    """Process 1 meets a corrupt image in its first batch while process 0 waits for it in the all-reduce."""
-    root = copy_data(data, tmp_path)
-    victim = first_files_of_process(root, batch_size=4, process_index=1, num_processes=2)[0]
-    corrupt_image(victim, "not_an_image")
-    assert victim not in first_files_of_process(root, batch_size=4, process_index=0, num_processes=2)
-    from tutorial_lib.core import free_port
-
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--main_process_port",
-        str(free_port()),
-        "-m",
-        "tutorial_lib.train",
-        *as_flags({**TINY, "path_to_data": root, "working_directory": tmp_path / "runs", "experiment_name": "ddp"}),
-    ]
-    start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240)
-    seconds = time.perf_counter() - start
-    assert done.returncode != 0, "the launch should fail"
-    assert seconds < 120, f"the launch took {seconds:.0f} s to give up"
-    assert (
-        f"tutorial-train: error (process 1): cannot decode image {victim}: not a recognised image format; delete or "
-        "replace the file, or pass --on_bad_file skip"
-    ) in done.stderr
 
 
 # --- one run per folder -----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from train_helpers import CASE_RUN, assert_user_error
 from tutorial_lib.checkpoints import MANIFEST, latest_checkpoint, list_checkpoints, sha256_file
 from tutorial_lib.cli import as_flags
 from tutorial_lib.core import free_port
-from tutorial_lib.processes import CliResult, can_mount_small_disk, child_env, make_image_folder, run_cli
+from tutorial_lib.processes import CliResult, can_mount_small_disk, child_env, run_cli
 
 # a test that starts processes or trains is marked slow (skipped by `pytest -m "not slow"`): the conftest checks it
 
@@ -31,31 +31,19 @@ FRESH_RUN_REFUSAL = (
     "--overwrite to move the old run aside (nothing is deleted)"
 )
 
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    """3 classes x 8 training and 2 validation JPEGs of 16 px."""
-    return make_image_folder(tmp_path_factory.mktemp("data"), classes=3, train_per_class=8, val_per_class=2)
+pytest_plugins = ("shared_runs",)  # small_data, finished_tiny_run: built once per session
 
 
-@pytest.fixture(scope="module")
-def run_a(tmp_path_factory, data) -> Path:
+@pytest.fixture
+def data(small_data) -> Path:
+    """3 classes x 8 training and 2 validation JPEGs of 16 px, shared by the session."""
+    return small_data
+
+
+@pytest.fixture
+def run_a(finished_tiny_run) -> Path:
     """A finished tinycnn run ("run A") with mid-epoch checkpoints: the other run of the takeover cases."""
-    work = tmp_path_factory.mktemp("runs_a")
-    done = run_cli(
-        as_flags(
-            {
-                **TINY,
-                "epochs": 2,
-                "checkpoint_every_steps": 2,
-                "path_to_data": data,
-                "working_directory": work,
-                "experiment_name": "a",
-            }
-        )
-    )
-    assert done.returncode == 0, done.stderr
-    return work / "a"
+    return finished_tiny_run
 
 
 def cli(tmp_path, data, name="run", launcher="fork", env=None, timeout=180, **options) -> CliResult:
