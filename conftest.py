@@ -155,6 +155,8 @@ def _capture():
         if "accelerate.state" in sys.modules:  # a run's Accelerator: notebook_launcher refuses a kernel that holds one
             sys.modules["accelerate.state"].AcceleratorState._reset_state(reset_partial_state=True)
             sys.modules["accelerate.state"].GradientState._reset_state()
+        if "wandb" in sys.modules:  # its process-wide settings keep the first run's mode (disabled, offline, ...)
+            sys.modules["wandb"].teardown()
         if "tutorial_lib.processes" in sys.modules:  # its fork server imported the previous notebook's environment
             sys.modules["tutorial_lib.processes"].stop_fork_server()
             sys.modules["tutorial_lib.processes"]._FORK_CONTEXT = None

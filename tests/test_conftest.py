@@ -149,7 +149,7 @@ def code_notebook(*sources: str) -> str:
 def test_notebooks_share_one_kernel_and_each_starts_as_in_a_fresh_one(tmp_path):
     """A lesson and a solution notebook run in one kernel (the same process), and what the first leaves behind (a
     variable, an environment variable, the working folder, `__spec__` dropped by the reset, a signal handler as
-    `notebook_launcher` leaves torch's, a warnings filter) does not reach the second; a failing cell still fails its
+    `notebook_launcher` leaves torch's, a warnings filter, W&B's process-wide settings) does not reach the second; a failing cell still fails its
     notebook, and a notebook that kills its kernel fails alone: the next one gets a new kernel."""
     (tmp_path / "conftest.py").write_text((ROOT / "conftest.py").read_text())
     lessons = tmp_path / "notebooks"
@@ -158,17 +158,20 @@ def test_notebooks_share_one_kernel_and_each_starts_as_in_a_fresh_one(tmp_path):
     (lessons / "01_first.ipynb").write_text(
         code_notebook(
             "import os, signal, warnings\nleft = 1\nos.environ['LEFT_BEHIND'] = '1'\nos.chdir('/')\n"
-            "signal.signal(signal.SIGTERM, lambda *_: None)\nwarnings.simplefilter('error')",
+            "signal.signal(signal.SIGTERM, lambda *_: None)\nwarnings.simplefilter('error')\n"
+            "import wandb\nwandb.init(mode='disabled').finish()",
             "open(os.path.join(os.environ['PIDS'], 'first'), 'w').write(str(os.getpid()))",
         )
     )
     (solutions / "02_second.ipynb").write_text(
         code_notebook(
-            "import os, multiprocessing, signal, warnings\n"
+            "import os, multiprocessing, signal, warnings\nfrom pathlib import Path\n"
             "assert 'left' not in globals() and 'LEFT_BEHIND' not in os.environ\n"
             "assert os.getcwd() == os.environ['EXPECT_CWD'] and '__spec__' in globals()\n"
             "assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, signal.getsignal(signal.SIGTERM)\n"
             "warnings.warn('a warning is not an error', UserWarning)\n"
+            "import wandb\nos.environ['WANDB_MODE'] = 'offline'\nwandb.init(dir=os.environ['PIDS']).finish()\n"
+            "assert list(Path(os.environ['PIDS']).glob('wandb/offline-run-*')), 'W&B forgot the first mode'\n"
             "open(os.path.join(os.environ['PIDS'], 'second'), 'w').write(str(os.getpid()))",
         )
     )
