@@ -149,8 +149,9 @@ def code_notebook(*sources: str) -> str:
 def test_notebooks_share_one_kernel_and_each_starts_as_in_a_fresh_one(tmp_path):
     """A lesson and a solution notebook run in one kernel (the same process), and what the first leaves behind (a
     variable, an environment variable, the working folder, `__spec__` dropped by the reset, a signal handler as
-    `notebook_launcher` leaves torch's, a warnings filter, W&B's process-wide settings) does not reach the second; a failing cell still fails its
-    notebook, and a notebook that kills its kernel fails alone: the next one gets a new kernel."""
+    `notebook_launcher` leaves torch's, a warnings filter, W&B's process-wide settings) does not reach the second;
+    a failing cell still fails its notebook, and a notebook that kills its kernel fails alone: the next one gets a
+    new kernel."""
     (tmp_path / "conftest.py").write_text((ROOT / "conftest.py").read_text())
     lessons = tmp_path / "notebooks"
     solutions = lessons / "solutions"
