@@ -39,6 +39,19 @@ def fresh_accelerate_state():
         state.GradientState._reset_state()
 
 
+@pytest.fixture(autouse=True)
+def one_thread_again():
+    """Put torch back on the session's thread count after every test.
+
+    A test that sets another count (to check what a launch does after a multi-threaded parent) would leave it to
+    every later test of its xdist worker: an in-process training run then computes on 2 threads beside the other
+    worker, on 2 cores, and took three times as long in a measured run of the suite."""
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != int(os.environ.get("OMP_NUM_THREADS", "1")):
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+
 class FastTierViolation(Exception):
     """A test without the `slow` mark started a process or trained: the fast tier (`-m "not slow"`) promised not to."""
 

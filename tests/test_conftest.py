@@ -135,6 +135,34 @@ def test_a_test_without_the_slow_mark_that_starts_a_process_or_trains_fails(tmp_
     assert "2 failed, 2 passed" in done.stdout
 
 
+THREADS_LEFT_BEHIND = """
+import torch
+
+
+def test_sets_two_threads():
+    torch.set_num_threads(2)
+
+
+def test_after_it():
+    assert torch.get_num_threads() == 1, torch.get_num_threads()
+"""
+
+
+@pytest.mark.slow
+def test_a_thread_count_a_test_sets_does_not_reach_the_next_test(tmp_path):
+    (tmp_path / "conftest.py").write_text((ROOT / "conftest.py").read_text())
+    (tmp_path / "test_threads.py").write_text(THREADS_LEFT_BEHIND)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", str(tmp_path)],
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "2 passed" in done.stdout, done.stdout[-3000:]
+
+
 def code_notebook(*sources: str) -> str:
     """A notebook of code cells, as JSON."""
     cells = [
