@@ -159,6 +159,7 @@ def _capture():
         sys.path[:] = path
         os.chdir(folder)
         torch.set_num_threads(threads)
+        torch._dynamo.reset()  # compiled graphs and the shapes it has seen: what a notebook's compiles depend on
         for number, handler in handlers.items():
             signal.signal(number, handler)
         warnings.filters[:] = warning_filters
