@@ -42,6 +42,12 @@ def small_data(tmp_path_factory) -> Path:
     return built_once(tmp_path_factory, "small_data", _build_data)
 
 
+@pytest.fixture
+def data(small_data) -> Path:
+    """`small_data` under the name the reliability tests give their image folder (a module's own `data` wins)."""
+    return small_data
+
+
 @pytest.fixture(scope="session")
 def finished_tiny_run(tmp_path_factory, small_data) -> Path:
     """A completed 2-epoch tinycnn run on `small_data` with a checkpoint every 2 steps (read only: copy it to change

@@ -44,13 +44,7 @@ from tutorial_lib.sources import IMG_EXTENSIONS
 ROOT = Path(__file__).resolve().parents[1]
 TINY = CASE_RUN  # one epoch of tinycnn, batch 4 (train_helpers)
 
-pytest_plugins = ("shared_runs",)  # small_data, finished_tiny_run: built once per session
-
-
-@pytest.fixture
-def data(small_data) -> Path:
-    """3 classes x 8 training and 2 validation JPEGs of 16 px, shared by the session."""
-    return small_data
+pytest_plugins = ("shared_runs",)  # data, finished_tiny_run: built once per session
 
 
 @pytest.fixture

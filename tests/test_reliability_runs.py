@@ -31,13 +31,7 @@ FRESH_RUN_REFUSAL = (
     "--overwrite to move the old run aside (nothing is deleted)"
 )
 
-pytest_plugins = ("shared_runs",)  # small_data, finished_tiny_run: built once per session
-
-
-@pytest.fixture
-def data(small_data) -> Path:
-    """3 classes x 8 training and 2 validation JPEGs of 16 px, shared by the session."""
-    return small_data
+pytest_plugins = ("shared_runs",)  # data, finished_tiny_run: built once per session
 
 
 @pytest.fixture
