@@ -174,6 +174,8 @@ def _capture():
         if "tutorial_lib.processes" in sys.modules:  # its fork server imported the previous notebook's environment
             sys.modules["tutorial_lib.processes"].stop_fork_server()
             sys.modules["tutorial_lib.processes"]._FORK_CONTEXT = None
+        if "tutorial_lib.core" in sys.modules:  # the last notebook's checkpoints, deleted as its kernel's exit would
+            sys.modules["tutorial_lib.core"].remove_scratch_dirs()
 
     state.restore = restore
 _capture()

@@ -177,7 +177,8 @@ def code_notebook(*sources: str) -> str:
 def test_notebooks_share_one_kernel_and_each_starts_as_in_a_fresh_one(tmp_path):
     """A lesson and a solution notebook run in one kernel (the same process), and what the first leaves behind (a
     variable, an environment variable, the working folder, `__spec__` dropped by the reset, a signal handler as
-    `notebook_launcher` leaves torch's, a warnings filter, W&B's process-wide settings) does not reach the second;
+    `notebook_launcher` leaves torch's, a warnings filter, W&B's process-wide settings, a scratch folder's checkpoints)
+    does not reach the second;
     a failing cell still fails its notebook, and a notebook that kills its kernel fails alone: the next one gets a
     new kernel."""
     (tmp_path / "conftest.py").write_text((ROOT / "conftest.py").read_text())
@@ -190,6 +191,9 @@ def test_notebooks_share_one_kernel_and_each_starts_as_in_a_fresh_one(tmp_path):
             "signal.signal(signal.SIGTERM, lambda *_: None)\nwarnings.simplefilter('error')\n"
             "import wandb\nwandb.init(mode='disabled').finish()",
             "open(os.path.join(os.environ['PIDS'], 'first'), 'w').write(str(os.getpid()))",
+            "from tutorial_lib.core import scratch_dir\nscratch = scratch_dir('left-behind-')\n"
+            "(scratch / 'model.safetensors').write_bytes(b'x')\n"
+            "open(os.path.join(os.environ['PIDS'], 'scratch'), 'w').write(str(scratch))",
         )
     )
     (solutions / "02_second.ipynb").write_text(
@@ -201,6 +205,8 @@ def test_notebooks_share_one_kernel_and_each_starts_as_in_a_fresh_one(tmp_path):
             "warnings.warn('a warning is not an error', UserWarning)\n"
             "import wandb\nos.environ['WANDB_MODE'] = 'offline'\nwandb.init(dir=os.environ['PIDS']).finish()\n"
             "assert list(Path(os.environ['PIDS']).glob('wandb/offline-run-*')), 'W&B forgot the first mode'\n"
+            "scratch = Path(Path(os.environ['PIDS'], 'scratch').read_text())\n"
+            "assert scratch.name.startswith('left-behind-') and not scratch.exists(), 'its scratch folder is left'\n"
             "open(os.path.join(os.environ['PIDS'], 'second'), 'w').write(str(os.getpid()))",
         )
     )

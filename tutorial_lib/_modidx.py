@@ -299,6 +299,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'tutorial_lib.core.peak_memory_bytes': ('introduction.html#peak_memory_bytes', 'tutorial_lib/core.py'),
                                    'tutorial_lib.core.read_process_states': ( 'introduction.html#read_process_states',
                                                                               'tutorial_lib/core.py'),
+                                   'tutorial_lib.core.remove_scratch_dirs': ( 'introduction.html#remove_scratch_dirs',
+                                                                              'tutorial_lib/core.py'),
                                    'tutorial_lib.core.scratch_dir': ('introduction.html#scratch_dir', 'tutorial_lib/core.py'),
                                    'tutorial_lib.core.seed_everything': ('introduction.html#seed_everything', 'tutorial_lib/core.py'),
                                    'tutorial_lib.core.smoke_mode': ('introduction.html#smoke_mode', 'tutorial_lib/core.py'),

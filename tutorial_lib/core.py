@@ -23,11 +23,11 @@ import torch
 
 # %% auto #0
 __all__ = ['SMOKE_ENV_VAR', 'IMAGENET_TRAIN_IMAGES', 'RECIPE_EPOCHS', 'PEAK_BF16_TFLOPS', 'STATE_PROBE', 'SIZE_UNITS',
-           'smoke_mode', 'seed_everything', 'in_notebook', 'free_port', 'fork_safe', 'scratch_dir', 'linked_subset',
-           'count_training_flops', 'training_time_seconds', 'peak_flops_for', 'mfu_unknown_note', 'mfu',
-           'peak_memory_bytes', 'StepClock', 'StepTimer', 'global_batch_size', 'environment_report', 'bf16_supported',
-           'accelerate_cli', 'cpu_launch_config', 'read_process_states', 'launch_state_probe', 'UserError',
-           'MissingPathError', 'format_size', 'free_space', 'check_free_space']
+           'smoke_mode', 'seed_everything', 'in_notebook', 'free_port', 'fork_safe', 'scratch_dir',
+           'remove_scratch_dirs', 'linked_subset', 'count_training_flops', 'training_time_seconds', 'peak_flops_for',
+           'mfu_unknown_note', 'mfu', 'peak_memory_bytes', 'StepClock', 'StepTimer', 'global_batch_size',
+           'environment_report', 'bf16_supported', 'accelerate_cli', 'cpu_launch_config', 'read_process_states',
+           'launch_state_probe', 'UserError', 'MissingPathError', 'format_size', 'free_space', 'check_free_space']
 
 # %% ../notebooks/00_introduction.ipynb #a4f4ab1f
 SMOKE_ENV_VAR = "TUTORIAL_SMOKE"
@@ -86,6 +86,9 @@ def fork_safe(fn):
     return run
 
 
+_scratch_dirs: list[tuple[Path, int]] = []  # (folder, the process that made it)
+
+
 def scratch_dir(prefix: str) -> Path:
     """A new temporary folder that is deleted when this Python process (the notebook's kernel) exits.
 
@@ -93,14 +96,18 @@ def scratch_dir(prefix: str) -> Path:
     run of a notebook would leave them in /tmp until the disk is full. Only the process that made the
     folder deletes it: a forked child (a launched worker, a data loader worker) that exits leaves it."""
     path = Path(tempfile.mkdtemp(prefix=prefix))
-    owner = os.getpid()
-
-    def remove() -> None:
-        if os.getpid() == owner:
-            shutil.rmtree(path, ignore_errors=True)
-
-    atexit.register(remove)
+    _scratch_dirs.append((path, os.getpid()))
     return path
+
+
+@atexit.register
+def remove_scratch_dirs() -> None:
+    """Delete the scratch folders this process made: at exit, or before a kernel that stays up runs another
+    notebook (a kernel that ran ten notebooks would otherwise hold all their checkpoints until it exits)."""
+    for path, owner in list(_scratch_dirs):
+        if owner == os.getpid():
+            shutil.rmtree(path, ignore_errors=True)
+            _scratch_dirs.remove((path, owner))
 
 # %% ../notebooks/00_introduction.ipynb #7fb27b941602401d91542211134fc71a
 def linked_subset(source: str | os.PathLike, folder: str | os.PathLike, per_class: dict[str, int]) -> Path:
