@@ -179,6 +179,8 @@ def _capture():
 
     state.restore = restore
 _capture()
+if callable(globals().get("remove_scratch_dirs")):  # 00 defines its own (the cell core exports), with its own list
+    remove_scratch_dirs()
 %reset -f
 __import__("sys").modules["_shared_kernel_state"].restore(__FOLDER__)
 """
