@@ -1,0 +1,45 @@
+"""Runs of the one-file script (and of `tutorial-train`) for tests/test_simple_train.py, which forks them from the
+library's fork server (`TrainingProcess(..., "fork", module="simple_train_runs")`, 11a): it runs this module's `main`
+(not a test module).
+
+`main(["top1", SCRIPT, JSON, OUT])`: SCRIPT's runs ("simple_train" or "tutorial-train") of the options in JSON, one
+per seed of its "seeds", one after another in this process, as the test ran them in its own; their final validation
+top-1 go to OUT as a JSON list. `main(FLAGS)`: `python -m tutorial_lib.simple_train FLAGS`, which ends with status 0
+whatever its `main` returns."""
+
+import json
+from pathlib import Path
+
+
+def top1(script: str, options: dict, seed: int) -> float:
+    """The final validation top-1 of one run: the calls the test made in its own process."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    options = {**options, "seed": seed, "experiment_name": f"{script}_{seed}"}
+    try:
+        if script == "simple_train":
+            from tutorial_lib import simple_train
+
+            flags = [part for key, value in options.items() for part in as_flag(key, value)]
+            return simple_train.main(flags)["val_top1"]
+        from tutorial_lib.flags import default_args
+        from tutorial_lib.train import train
+
+        return train(default_args(**options, disable_progress_bar=True))["val_top1"]
+    finally:  # the next run builds its Accelerator afresh
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+def as_flag(key: str, value) -> list[str]:
+    return [f"--{key}"] if value is True else [] if value is False else [f"--{key}", str(value)]
+
+
+def main(argv: list[str]) -> None:
+    if argv[0] != "top1":
+        from tutorial_lib import simple_train
+
+        simple_train.main(argv)
+        return
+    script, config, out = argv[1], json.loads(argv[2]), Path(argv[3])
+    out.write_text(json.dumps([top1(script, config["options"], seed) for seed in config["seeds"]]))
