@@ -4,8 +4,12 @@ import importlib
 import inspect
 import io
 import json
+import os
 import pkgutil
 import re
+import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -223,16 +227,46 @@ def test_cli_main_says_each_error_once_by_process_0_or_by_the_process_that_met_i
     assert run_toy(raises(UserError), [], capsys, **options) == (2, "toy: error: met it\n", [2])
     assert run_toy(raises(Nan), [], capsys, **options) == (3, "toy: error: met it\n", [3])
     assert run_toy(raises(Shared), [], capsys, process=0, **options) == (2, "toy: error: met it\n", [2])
-    assert run_toy(raises(Shared), [], capsys, process=1, **options) == (2, "", [2])
-    assert run_toy(raises(UserError), [], capsys, process=1, **options) == (2, "toy: error (process 1): met it\n", [2])
-    assert run_toy(lambda args: None, ["--n", "0"], capsys, process=1, **options) == (2, "", [2]), (
-        "process 0 says a bad flag"
-    )
+    quiet = dict(options, process=1, quiet_exit_wait_s=0.2)
+    started = time.perf_counter()
+    assert run_toy(raises(Shared), [], capsys, **quiet) == (2, "", [2])
+    assert run_toy(lambda args: None, ["--n", "0"], capsys, **quiet) == (2, "", [2]), "process 0 says a bad flag"
+    assert time.perf_counter() - started >= 0.4, "a process that left its error to process 0 exited at once"
+    started = time.perf_counter()
+    assert run_toy(raises(UserError), [], capsys, **quiet) == (2, "toy: error (process 1): met it\n", [2])
+    assert time.perf_counter() - started < 0.2, "a process that said its own error waited"
     assert run_toy(lambda args: None, ["--n", "0"], capsys, **options) == (
         2,
         "toy: error: --n must be >= 1, got 0\n",
         [2],
     )
+
+
+# Two processes under torchrun's agent (what `accelerate launch` runs), which stops both as soon as one fails:
+# process 0 meets the shared error later than process 1 (a slower start, another core's load).
+LATE_PROCESS_0 = """
+import os, sys, time
+sys.path.insert(0, os.environ["TESTS"])
+from test_cli import Shared, raises, toy_parser
+from tutorial_lib.cli import cli_main
+process = int(os.environ["RANK"])
+time.sleep(3 if process == 0 else 0)
+cli_main(toy_parser(), raises(Shared), [], process=process, shared=(Shared,))
+"""
+
+
+@pytest.mark.slow
+def test_an_error_left_to_process_0_is_said_when_process_0_meets_it_after_the_others(tmp_path):
+    script = tmp_path / "late_process_0.py"
+    script.write_text(LATE_PROCESS_0)
+    env = {**os.environ, "TESTS": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0"]
+    started = time.perf_counter()
+    done = subprocess.run([*command, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    seconds = time.perf_counter() - started
+    assert done.returncode != 0 and "toy: error: met it\n" in done.stderr, done.stderr[-3000:]
+    assert done.stderr.count("toy: error") == 1, done.stderr[-3000:]
+    assert seconds < 25, f"the launch took {seconds:.0f} s: the waiting process was not stopped with process 0"
 
 
 def test_cli_main_leaves_a_bug_its_traceback(capsys):

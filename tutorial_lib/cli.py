@@ -20,9 +20,9 @@ from pathlib import Path
 from .core import SMOKE_ENV_VAR, UserError, environment_report, format_size, in_notebook
 
 # %% auto #0
-__all__ = ['positive_int', 'non_negative_int', 'positive_float', 'non_negative_float', 'COURSE_NOTEBOOKS', 'WORDS_PER_MINUTE',
-           'CODE_LINES_PER_MINUTE', 'NAV_TAG', 'TIME_LINE', 'LIBRARY_RECORD', 'number_flag', 'OneLineParser',
-           'HelpFormatter', 'model_name', 'run_name', 'user_path', 'one_line', 'exit_code', 'cli_main',
+__all__ = ['positive_int', 'non_negative_int', 'positive_float', 'non_negative_float', 'QUIET_EXIT_WAIT_S', 'COURSE_NOTEBOOKS',
+           'WORDS_PER_MINUTE', 'CODE_LINES_PER_MINUTE', 'NAV_TAG', 'TIME_LINE', 'LIBRARY_RECORD', 'number_flag',
+           'OneLineParser', 'HelpFormatter', 'model_name', 'run_name', 'user_path', 'one_line', 'exit_code', 'cli_main',
            'run_on_user_files', 'as_flags', 'parse_overrides', 'Progress', 'config_path', 'course_notebooks',
            'shown_path', 'NotebookStats', 'notebook_stats', 'course_stats', 'format_course_map', 'navigation_text',
            'write_navigation', 'merge_stream_outputs', 'library_fingerprint', 'stale_outputs', 'run_notebooks',
@@ -162,6 +162,13 @@ def exit_code(exit_: SystemExit) -> int:
     return exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
 
 # %% ../notebooks/00a_course_tools.ipynb #caa42272
+# A launcher (torchrun's agent, behind `accelerate launch`) stops every process of a launch as soon as one of them
+# fails. A process that leaves an error to process 0 therefore does not exit first: that would stop process 0 before
+# its line is out, and the launch would end without a word. The launcher stops it once process 0 has exited; the
+# bound only matters if process 0 never meets the error.
+QUIET_EXIT_WAIT_S = 30.0
+
+
 def cli_main(
     parser: argparse.ArgumentParser,
     run: Callable[[argparse.Namespace], int | None],
@@ -172,6 +179,7 @@ def cli_main(
     exit_statuses: dict[type, int] | None = None,
     line: Callable[[BaseException], str] = one_line,
     on_exit: Callable[[int], None] | None = None,
+    quiet_exit_wait_s: float = QUIET_EXIT_WAIT_S,
 ) -> None:
     """The one convention of the course's command lines: parse `argv` with `parser`, call `run(args)`, and end with
     the status it returns (0 or None: return; else `SystemExit`). A bad flag (`OneLineParser`) and a `UserError`
@@ -180,26 +188,35 @@ def cli_main(
 
     Every process of a launch runs the same command. With `process` (this one's index), what every process meets
     alike (a bad flag, the `shared` kinds of error) is said once, by process 0; another process says only its own
-    errors, naming itself: `prog: error (process 1): ...`. `on_exit(status)` sees every status, --help's too."""
+    errors, naming itself: `prog: error (process 1): ...`. A process that leaves its error to process 0 waits up to
+    `quiet_exit_wait_s` before it exits (`QUIET_EXIT_WAIT_S`). `on_exit(status)` sees every status, --help's too."""
     statuses = {**(exit_statuses or {}), UserError: 2}
+    left_to_process_0 = False
     try:
         try:
-            with contextlib.redirect_stderr(
-                sys.stderr if process == 0 else io.StringIO()
-            ):  # a bad flag: process 0 says it
-                args = parser.parse_args(argv)
+            with contextlib.redirect_stderr(sys.stderr if process == 0 else io.StringIO()):  # process 0 says a bad flag
+                try:
+                    args = parser.parse_args(argv)
+                except SystemExit as exit_:
+                    left_to_process_0 = process != 0 and exit_code(exit_) != 0
+                    raise
             status = run(args) or 0
         except tuple(statuses) as err:
             status = next(code for kind, code in statuses.items() if isinstance(err, kind))
-            if process == 0 or not isinstance(err, shared):
+            left_to_process_0 = process != 0 and isinstance(err, shared)
+            if not left_to_process_0:
                 where = f" (process {process})" if process else ""
                 print(f"{parser.prog}: error{where}: {line(err)}", file=sys.stderr, flush=True)
     except SystemExit as exit_:  # from the parser (a bad flag: 2, --help: 0), or from `run`
         if on_exit is not None:
             on_exit(exit_code(exit_))
+        if left_to_process_0:
+            time.sleep(quiet_exit_wait_s)
         raise
     if on_exit is not None:
         on_exit(status)
+    if left_to_process_0:
+        time.sleep(quiet_exit_wait_s)
     if status:
         raise SystemExit(status)
 
