@@ -7,6 +7,7 @@ import json
 import os
 import pkgutil
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -30,6 +31,7 @@ from tutorial_lib.cli import (
     run_notebooks,
     stale_outputs,
     user_path,
+    wait_to_be_stopped,
 )
 from tutorial_lib.core import UserError
 
@@ -267,6 +269,23 @@ def test_an_error_left_to_process_0_is_said_when_process_0_meets_it_after_the_ot
     assert done.returncode != 0 and "toy: error: met it\n" in done.stderr, done.stderr[-3000:]
     assert done.stderr.count("toy: error") == 1, done.stderr[-3000:]
     assert seconds < 25, f"the launch took {seconds:.0f} s: the waiting process was not stopped with process 0"
+
+
+def test_waiting_for_the_launcher_leaves_its_sigterm_deadly_then_puts_the_programs_handler_back(monkeypatch):
+    """The training script's late-signal handler finishes its run after a SIGTERM: during the wait it would keep the
+    process alive until the launcher's SIGKILL, 30 s later."""
+
+    def finishing(*_):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, finishing)
+    during = []
+    monkeypatch.setattr(time, "sleep", lambda seconds: during.append((seconds, signal.getsignal(signal.SIGTERM))))
+    try:
+        wait_to_be_stopped(30)
+        assert during == [(30, signal.SIG_DFL)] and signal.getsignal(signal.SIGTERM) is finishing
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_cli_main_leaves_a_bug_its_traceback(capsys):

@@ -260,6 +260,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'tutorial_lib.cli.shown_path': ('course_tools.html#shown_path', 'tutorial_lib/cli.py'),
                                   'tutorial_lib.cli.stale_outputs': ('course_tools.html#stale_outputs', 'tutorial_lib/cli.py'),
                                   'tutorial_lib.cli.user_path': ('course_tools.html#user_path', 'tutorial_lib/cli.py'),
+                                  'tutorial_lib.cli.wait_to_be_stopped': ('course_tools.html#wait_to_be_stopped', 'tutorial_lib/cli.py'),
                                   'tutorial_lib.cli.write_navigation': ('course_tools.html#write_navigation', 'tutorial_lib/cli.py')},
             'tutorial_lib.core': { 'tutorial_lib.core.MissingPathError': ('introduction.html#missingpatherror', 'tutorial_lib/core.py'),
                                    'tutorial_lib.core.StepClock': ('introduction.html#stepclock', 'tutorial_lib/core.py'),

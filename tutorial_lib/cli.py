@@ -11,7 +11,9 @@ import json
 import math
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -22,11 +24,11 @@ from .core import SMOKE_ENV_VAR, UserError, environment_report, format_size, in_
 # %% auto #0
 __all__ = ['positive_int', 'non_negative_int', 'positive_float', 'non_negative_float', 'QUIET_EXIT_WAIT_S', 'COURSE_NOTEBOOKS',
            'WORDS_PER_MINUTE', 'CODE_LINES_PER_MINUTE', 'NAV_TAG', 'TIME_LINE', 'LIBRARY_RECORD', 'number_flag',
-           'OneLineParser', 'HelpFormatter', 'model_name', 'run_name', 'user_path', 'one_line', 'exit_code', 'cli_main',
-           'run_on_user_files', 'as_flags', 'parse_overrides', 'Progress', 'config_path', 'course_notebooks',
-           'shown_path', 'NotebookStats', 'notebook_stats', 'course_stats', 'format_course_map', 'navigation_text',
-           'write_navigation', 'merge_stream_outputs', 'library_fingerprint', 'stale_outputs', 'run_notebooks',
-           'clean_script', 'get_args_parser', 'run_command', 'main']
+           'OneLineParser', 'HelpFormatter', 'model_name', 'run_name', 'user_path', 'one_line', 'exit_code',
+           'wait_to_be_stopped', 'cli_main', 'run_on_user_files', 'as_flags', 'parse_overrides', 'Progress',
+           'config_path', 'course_notebooks', 'shown_path', 'NotebookStats', 'notebook_stats', 'course_stats',
+           'format_course_map', 'navigation_text', 'write_navigation', 'merge_stream_outputs', 'library_fingerprint',
+           'stale_outputs', 'run_notebooks', 'clean_script', 'get_args_parser', 'run_command', 'main']
 
 # %% ../notebooks/00a_course_tools.ipynb #abf5a5d3
 def number_flag(
@@ -169,6 +171,19 @@ def exit_code(exit_: SystemExit) -> int:
 QUIET_EXIT_WAIT_S = 30.0
 
 
+def wait_to_be_stopped(seconds: float) -> None:
+    """Sleep `seconds` unless the launcher's SIGTERM ends the process first: whatever handler the program installed
+    (the training script's finishes its run after a SIGTERM), there is nothing left to finish here."""
+    if threading.current_thread() is not threading.main_thread():
+        time.sleep(seconds)  # Python sets signal handlers in the main thread only
+        return
+    handler = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        time.sleep(seconds)
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+
+
 def cli_main(
     parser: argparse.ArgumentParser,
     run: Callable[[argparse.Namespace], int | None],
@@ -211,12 +226,12 @@ def cli_main(
         if on_exit is not None:
             on_exit(exit_code(exit_))
         if left_to_process_0:
-            time.sleep(quiet_exit_wait_s)
+            wait_to_be_stopped(quiet_exit_wait_s)
         raise
     if on_exit is not None:
         on_exit(status)
     if left_to_process_0:
-        time.sleep(quiet_exit_wait_s)
+        wait_to_be_stopped(quiet_exit_wait_s)
     if status:
         raise SystemExit(status)
 
