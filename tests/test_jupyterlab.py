@@ -76,53 +76,91 @@ def lab(tmp_path_factory):
     log.close()
 
 
-def run_in_browser(url: str, token: str, name: str, timeout_s: float = 240) -> dict:
-    """Open `name` in JupyterLab, run every cell from the Run menu, save; what the page showed."""
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+@pytest.fixture(scope="module")
+def browser_runs(lab, request) -> dict[str, dict | str]:
+    """The notebooks this session's tests name, run at once in one browser: {name: what its page showed, or why
+    it did not get there}. Each notebook has its own tab, workspace and kernel, so neither run sees the other;
+    their kernels work side by side instead of one after the other, and the browser starts once."""
+    module = request.node.nodeid + "::"
+    names = [item.callspec.params["name"] for item in request.session.items if item.nodeid.startswith(module)]
+    url, token, _ = lab
+    return run_in_browser(url, token, names)
+
+
+def run_in_browser(url: str, token: str, names: list[str], timeout_s: float = 240) -> dict[str, dict | str]:
+    """Open each notebook in JupyterLab, run every cell from the Run menu, save; what each page showed."""
+    from playwright.sync_api import Error as PlaywrightError
     from playwright.sync_api import sync_playwright
 
-    page_errors = []
+    results: dict[str, dict | str] = {}
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.on("pageerror", lambda error: page_errors.append(str(error)))
-        page.goto(f"{url}/lab/tree/{name}?reset&token={token}")  # reset: only this notebook open
-        wait_for_idle_kernel(url, token, name)
-        # On a loaded machine the page can still be wiring the kernel to the notebook when the menu is there: a
-        # "Run All Cells" it ignores leaves every cell as it was. Such a click is made again.
-        for attempt in range(3):  # noqa: B007 (printed below)
-            page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-            page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+        tabs = {}
+        for name in names:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page_errors: list[str] = []
+            page.on("pageerror", lambda error, errors=page_errors: errors.append(str(error)))
+            # a workspace of its own, reset: only this notebook open, and no layout shared with the other tab
+            page.goto(f"{url}/lab/workspaces/{Path(name).stem}/tree/{name}?reset&token={token}")
+            tabs[name] = page, page_errors
+        for name, (page, _) in tabs.items():  # both kernels at work before either is waited for
             try:
-                page.wait_for_function(ANY_STARTED, timeout=30_000, polling=250)
-                print(f"{name}: cells started after {attempt + 1} click(s) of Run All Cells")
-                break
-            except PlaywrightTimeout:
-                page.keyboard.press("Escape")  # close the menu if it is still open
-        else:
-            raise AssertionError("three clicks of Run > Run All Cells started no cell")
-        # A cell waiting or running shows [*]; done, the kernel idle and no [*] left.
-        try:
-            page.wait_for_function(ALL_RAN, timeout=timeout_s * 1000, polling=500)
-        except PlaywrightTimeout:
-            prompts = page.evaluate(f"() => [...document.querySelectorAll('{PROMPTS}')].map(p => p.textContent)")
-            text = page.locator(".jp-NotebookPanel .jp-Notebook").inner_text()
-            raise AssertionError(f"cells not done after {timeout_s:g} s: {' '.join(prompts)}\n{text[-3000:]}") from None
-        page.keyboard.press("Control+s")
-        page.locator(".jp-mod-dirty").first.wait_for(state="detached", timeout=30_000)
-        shown = page.evaluate(
-            """() => ({
-                images: [...document.querySelectorAll('.jp-OutputArea-output img')].map(
-                    i => i.complete && i.naturalWidth > 0),
-                errors: document.querySelectorAll(
-                    '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.error"]').length,
-                text: document.querySelector('.jp-Notebook').innerText,
-            })"""
-        )
+                start_every_cell(page, url, token, name)
+            except (AssertionError, PlaywrightError) as error:
+                results[name] = f"{type(error).__name__}: {error}"
+        for name, (page, page_errors) in tabs.items():
+            if name in results:  # it did not start
+                continue
+            try:
+                results[name] = finish_and_save(page, timeout_s) | {"page_errors": page_errors}
+            except (AssertionError, PlaywrightError) as error:
+                results[name] = f"{type(error).__name__}: {error}"
         browser.close()
-    shown["page_errors"] = page_errors
     shut_down_kernels(url, token)
-    return shown
+    return results
+
+
+def start_every_cell(page, url: str, token: str, name: str) -> None:
+    """Once the notebook's kernel is idle, Run > Run All Cells, until a cell has started."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    wait_for_idle_kernel(url, token, name)
+    # On a loaded machine the page can still be wiring the kernel to the notebook when the menu is there: a
+    # "Run All Cells" it ignores leaves every cell as it was. Such a click is made again.
+    for attempt in range(3):
+        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+        page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+        try:
+            page.wait_for_function(ANY_STARTED, timeout=30_000, polling=250)
+            print(f"{name}: cells started after {attempt + 1} click(s) of Run All Cells")
+            return
+        except PlaywrightTimeout:
+            page.keyboard.press("Escape")  # close the menu if it is still open
+    raise AssertionError("three clicks of Run > Run All Cells started no cell")
+
+
+def finish_and_save(page, timeout_s: float) -> dict:
+    """Until every cell has run, then save: what the page shows."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    # A cell waiting or running shows [*]; done, the kernel idle and no [*] left.
+    try:
+        page.wait_for_function(ALL_RAN, timeout=timeout_s * 1000, polling=500)
+    except PlaywrightTimeout:
+        prompts = page.evaluate(f"() => [...document.querySelectorAll('{PROMPTS}')].map(p => p.textContent)")
+        text = page.locator(".jp-NotebookPanel .jp-Notebook").inner_text()
+        raise AssertionError(f"cells not done after {timeout_s:g} s: {' '.join(prompts)}\n{text[-3000:]}") from None
+    page.keyboard.press("Control+s")
+    page.locator(".jp-mod-dirty").first.wait_for(state="detached", timeout=30_000)
+    return page.evaluate(
+        """() => ({
+            images: [...document.querySelectorAll('.jp-OutputArea-output img')].map(
+                i => i.complete && i.naturalWidth > 0),
+            errors: document.querySelectorAll(
+                '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.error"]').length,
+            text: document.querySelector('.jp-Notebook').innerText,
+        })"""
+    )
 
 
 def wait_for_idle_kernel(url: str, token: str, name: str, timeout_s: float = 120) -> None:
@@ -149,9 +187,10 @@ def shut_down_kernels(url: str, token: str) -> None:
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_jupyterlab_runs_every_cell_of_the_notebook_in_a_real_browser(lab, name):
-    url, token, root = lab
-    shown = run_in_browser(url, token, name)
+def test_jupyterlab_runs_every_cell_of_the_notebook_in_a_real_browser(lab, browser_runs, name):
+    _, _, root = lab
+    shown = browser_runs[name]
+    assert isinstance(shown, dict), shown  # otherwise why the notebook did not run to the end and save
     saved = json.loads((root / name).read_text())
     code = [cell for cell in saved["cells"] if cell["cell_type"] == "code"]
     outputs = [output for cell in code for output in cell["outputs"]]

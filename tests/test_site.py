@@ -7,11 +7,13 @@ drawn (natural width > 0), every internal link and #anchor found, and the search
 The browser part is skipped, with one line, where Chromium or Playwright is missing (`.ci/run` installs both).
 `-rP` shows the figures it prints (pages, images, links, anchors, build seconds)."""
 
+import asyncio
 import html
 import importlib.util
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +34,7 @@ SEARCHES = {
     "address already in use": "notebooks/13_troubleshooting/",
 }
 FIRST_RESULTS = 5
+TABS = 3  # pages open at once in the browser
 ID = re.compile(r'\s(?:id|name)="([^"]*)"')
 REMOTE = re.compile(r'<(?:script|link|img)[^>]+(?:src|href)="(?:https?:)?//[^"]+"')  # loaded from elsewhere
 
@@ -180,73 +183,91 @@ def anchors_of(file: Path, cache: dict) -> set[str]:
     return cache[file]
 
 
+PAGE_FOUND = """() => ({
+    images: [...document.images].map(i => [i.getAttribute('src').slice(0, 80), i.complete && i.naturalWidth > 0]),
+    links: [...document.querySelectorAll('a[href]')].map(a => a.href),
+})"""
+
+
+async def browse(base: str, pages: list[str]) -> tuple[dict[str, dict], list[str], set[str], dict[str, list[str]]]:
+    """Every page opened in Chromium, TABS at a time, then a check cell clicked and the searches typed: what each
+    page holds, the problems seen, the requests that went outside the site, the first results of each search."""
+    from playwright.async_api import async_playwright
+
+    found: dict[str, dict] = {}
+    problems: list[str] = []
+    outside: set[str] = set()
+    results: dict[str, list[str]] = {}
+    with socket.socket() as refuser:  # bound, never listening: a connection to it is refused at once
+        refuser.bind(("127.0.0.1", 0))
+        # Every request but the local site's goes to this proxy, which refuses it: nothing intercepts the site's own
+        # requests on their way, and each request is still seen (and listed) when the page makes it.
+        proxy = {"server": f"http://127.0.0.1:{refuser.getsockname()[1]}", "bypass": "127.0.0.1"}
+        async with async_playwright() as p:
+            browser = await p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, proxy=proxy)
+            context = await browser.new_context(viewport={"width": 1400, "height": 1000})
+            context.set_default_timeout(120_000)  # a loaded machine, TABS pages at once: slow, not broken
+            local = (base, "data:", "blob:")
+            context.on("request", lambda request: request.url.startswith(local) or outside.add(request.url))
+            todo = list(reversed(pages))
+
+            async def open_pages():
+                page = await context.new_page()
+                current = {"name": ""}
+                page.on(
+                    "console", lambda m: m.type == "error" and problems.append(f"{current['name']}: console: {m.text}")
+                )
+                page.on("pageerror", lambda e: problems.append(f"{current['name']}: page error: {e}"))
+                while todo:
+                    current["name"] = name = todo.pop()
+                    await page.goto(base + name, wait_until="load")
+                    found[name] = await page.evaluate(PAGE_FOUND)
+                return page, current
+
+            # pages side by side: each load also waits on the server and on the browser's other processes
+            (page, current), *_ = await asyncio.gather(*(open_pages() for _ in range(TABS)))
+            # a check cell: its code folded, one click shows it
+            current["name"] = "notebooks/01_gradient_accumulation/"
+            await page.goto(base + current["name"], wait_until="load")
+            check = page.locator("details.course-hidden-input").first
+            code = check.locator(".jp-InputArea")
+            if await code.is_visible():
+                problems.append("01: a check cell's code is shown before a click")
+            await check.locator("summary").click()
+            if not await code.is_visible():
+                problems.append("01: a click on a check cell's summary does not show its code")
+            # every search a learner would make, typed into the search box
+            for query, expected in SEARCHES.items():
+                current["name"] = f"search {query!r}"
+                await page.goto(base, wait_until="load")
+                await page.fill("input.md-search__input", query)
+                await page.wait_for_selector(".md-search-result__item", timeout=60_000)
+                hrefs = await page.eval_on_selector_all(".md-search-result__item > a", "els => els.map(a => a.href)")
+                results[query] = hrefs[:FIRST_RESULTS]
+                if not any(h.startswith(base + expected) for h in hrefs[:FIRST_RESULTS]):
+                    problems.append(f"search {query!r}: {expected} not among the first results: {results[query]}")
+            await browser.close()
+    return found, problems, outside, results
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(browser_missing() is not None, reason=str(browser_missing()))
 def test_every_page_loads_offline_with_its_images_links_and_anchors_and_search_finds_the_notebooks(site, served_site):
-    from playwright.sync_api import sync_playwright
-
     root, build_seconds = site
     base = served_site
     pages = sorted(p.relative_to(root).as_posix() for p in root.glob("**/index.html"))
-    problems: list[str] = []
+    start = time.monotonic()
+    found, problems, external_requests, results = asyncio.run(browse(base, pages))
+    browse_seconds = time.monotonic() - start
     images = links_seen = 0
     internal: dict[str, set[str]] = {}  # target URL without its #anchor: the pages linking to it
-    external_requests: set[str] = set()
-    start = time.monotonic()
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        context = browser.new_context(viewport={"width": 1400, "height": 1000})
-
-        def only_the_local_site(route):
-            if route.request.url.startswith(base):
-                route.continue_()
-            else:
-                external_requests.add(route.request.url)
-                route.abort()
-
-        context.route("**/*", only_the_local_site)
-        page = context.new_page()
-        current = {"name": ""}
-        page.on("console", lambda m: m.type == "error" and problems.append(f"{current['name']}: console: {m.text}"))
-        page.on("pageerror", lambda e: problems.append(f"{current['name']}: page error: {e}"))
-        for name in pages:
-            current["name"] = name
-            page.goto(base + name, wait_until="load")
-            found = page.evaluate(
-                """() => ({
-                    images: [...document.images].map(
-                        i => [i.getAttribute('src').slice(0, 80), i.complete && i.naturalWidth > 0]),
-                    links: [...document.querySelectorAll('a[href]')].map(a => a.href),
-                })"""
-            )
-            images += len(found["images"])
-            problems += [f"{name}: image not drawn: {src}" for src, ok in found["images"] if not ok]
-            for link in found["links"]:
-                links_seen += 1
-                if link.startswith(base):
-                    internal.setdefault(link, set()).add(name)
-        # a check cell: its code folded, one click shows it
-        page.goto(base + "notebooks/01_gradient_accumulation/", wait_until="load")
-        check = page.locator("details.course-hidden-input").first
-        code = check.locator(".jp-InputArea")
-        if code.is_visible():
-            problems.append("01: a check cell's code is shown before a click")
-        check.locator("summary").click()
-        if not code.is_visible():
-            problems.append("01: a click on a check cell's summary does not show its code")
-        # every search a learner would make, typed into the search box
-        results = {}
-        for query, expected in SEARCHES.items():
-            current["name"] = f"search {query!r}"
-            page.goto(base, wait_until="load")
-            page.fill("input.md-search__input", query)
-            page.wait_for_selector(".md-search-result__item", timeout=60_000)
-            hrefs = page.eval_on_selector_all(".md-search-result__item > a", "els => els.map(a => a.href)")
-            results[query] = hrefs[:FIRST_RESULTS]
-            if not any(h.startswith(base + expected) for h in hrefs[:FIRST_RESULTS]):
-                problems.append(f"search {query!r}: {expected} not among the first results: {hrefs[:FIRST_RESULTS]}")
-        browser.close()
-    browse_seconds = time.monotonic() - start
+    for name in pages:
+        images += len(found[name]["images"])
+        problems += [f"{name}: image not drawn: {src}" for src, ok in found[name]["images"] if not ok]
+        for link in found[name]["links"]:
+            links_seen += 1
+            if link.startswith(base):
+                internal.setdefault(link, set()).add(name)
     # every internal link: its file on the site, and its #anchor among that page's ids
     cache: dict = {}
     targets = anchors = 0
