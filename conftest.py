@@ -225,7 +225,8 @@ class SharedKernelNotebook(pytest.Item):
         if cls._kernel is not None and cls._kernel.has_kernel:
             from jupyter_core.utils import run_sync
 
-            run_sync(cls._kernel.shutdown_kernel)(now=True)
+            # as a kernel ends when its notebook is closed: its exit handlers delete the last notebook's scratch folders
+            run_sync(cls._kernel.shutdown_kernel)(now=False)
         cls._kernel = None
 
 

@@ -192,7 +192,7 @@ def test_notebooks_share_one_kernel_and_each_starts_as_in_a_fresh_one(tmp_path):
     `notebook_launcher` leaves torch's, a warnings filter, W&B's process-wide settings, a scratch folder's checkpoints)
     does not reach the second;
     a failing cell still fails its notebook, and a notebook that kills its kernel fails alone: the next one gets a
-    new kernel."""
+    new kernel. The kernel exits as a kernel does at the end: the last notebook's scratch folder is deleted too."""
     (tmp_path / "conftest.py").write_text((ROOT / "conftest.py").read_text())
     lessons = tmp_path / "notebooks"
     solutions = lessons / "solutions"
@@ -227,7 +227,12 @@ def test_notebooks_share_one_kernel_and_each_starts_as_in_a_fresh_one(tmp_path):
     )
     (solutions / "03_fails.ipynb").write_text(code_notebook("raise ValueError('a failing cell')"))
     (solutions / "04_kills_its_kernel.ipynb").write_text(code_notebook("import os\nos._exit(1)"))
-    (solutions / "05_after_a_dead_kernel.ipynb").write_text(code_notebook("x = 1"))
+    (solutions / "05_after_a_dead_kernel.ipynb").write_text(
+        code_notebook(
+            "import os\nfrom tutorial_lib.core import scratch_dir\nscratch = scratch_dir('left-by-the-last-')\n"
+            "open(os.path.join(os.environ['PIDS'], 'scratch_last'), 'w').write(str(scratch))"
+        )
+    )
     env = {**os.environ, "PIDS": str(tmp_path), "EXPECT_CWD": str(solutions)}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--nbmake", "-n", "0"]
@@ -241,3 +246,5 @@ def test_notebooks_share_one_kernel_and_each_starts_as_in_a_fresh_one(tmp_path):
     assert "2 failed, 3 passed" in done.stdout and "a failing cell" in done.stdout, done.stdout[-3000:]
     assert "FAILED notebooks/solutions/04_kills_its_kernel.ipynb" in done.stdout, "a dead kernel fails its notebook"
     assert (tmp_path / "first").read_text() == (tmp_path / "second").read_text(), "one kernel for both"
+    last = Path((tmp_path / "scratch_last").read_text())
+    assert last.name.startswith("left-by-the-last-") and not last.exists(), "the last notebook's scratch folder is left"
