@@ -22,13 +22,14 @@ from pathlib import Path
 from .core import SMOKE_ENV_VAR, UserError, environment_report, format_size, in_notebook
 
 # %% auto #0
-__all__ = ['positive_int', 'non_negative_int', 'positive_float', 'non_negative_float', 'QUIET_EXIT_WAIT_S', 'COURSE_NOTEBOOKS',
-           'WORDS_PER_MINUTE', 'CODE_LINES_PER_MINUTE', 'NAV_TAG', 'TIME_LINE', 'LIBRARY_RECORD', 'number_flag',
-           'OneLineParser', 'HelpFormatter', 'model_name', 'run_name', 'user_path', 'one_line', 'exit_code',
-           'wait_to_be_stopped', 'cli_main', 'run_on_user_files', 'as_flags', 'parse_overrides', 'Progress',
-           'config_path', 'course_notebooks', 'shown_path', 'NotebookStats', 'notebook_stats', 'course_stats',
-           'format_course_map', 'navigation_text', 'write_navigation', 'merge_stream_outputs', 'library_fingerprint',
-           'stale_outputs', 'run_notebooks', 'clean_script', 'get_args_parser', 'run_command', 'main']
+__all__ = ['positive_int', 'non_negative_int', 'positive_float', 'non_negative_float', 'QUIET_EXIT_WAIT_S', 'LAUNCHER_ENV',
+           'COURSE_NOTEBOOKS', 'WORDS_PER_MINUTE', 'CODE_LINES_PER_MINUTE', 'NAV_TAG', 'TIME_LINE', 'LIBRARY_RECORD',
+           'number_flag', 'OneLineParser', 'HelpFormatter', 'model_name', 'run_name', 'user_path', 'one_line',
+           'exit_code', 'wait_to_be_stopped', 'cli_main', 'run_on_user_files', 'as_flags', 'parse_overrides',
+           'Progress', 'config_path', 'course_notebooks', 'shown_path', 'NotebookStats', 'notebook_stats',
+           'course_stats', 'format_course_map', 'navigation_text', 'write_navigation', 'merge_stream_outputs',
+           'library_fingerprint', 'stale_outputs', 'run_notebooks', 'clean_script', 'get_args_parser', 'run_command',
+           'main']
 
 # %% ../notebooks/00a_course_tools.ipynb #abf5a5d3
 def number_flag(
@@ -164,11 +165,12 @@ def exit_code(exit_: SystemExit) -> int:
     return exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
 
 # %% ../notebooks/00a_course_tools.ipynb #caa42272
-# A launcher (torchrun's agent, behind `accelerate launch`) stops every process of a launch as soon as one of them
-# fails. A process that leaves an error to process 0 therefore does not exit first: that would stop process 0 before
-# its line is out, and the launch would end without a word. The launcher stops it once process 0 has exited; the
-# bound only matters if process 0 never meets the error.
+# A launcher (torchrun's agent, behind `accelerate launch` and `notebook_launcher`) stops every process of a launch
+# as soon as one of them fails. A process it started that leaves an error to process 0 therefore does not exit first:
+# that would stop process 0 before its line is out, and the launch would end without a word. The launcher stops it
+# once process 0 has exited; the bound only matters if process 0 never meets the error.
 QUIET_EXIT_WAIT_S = 30.0
+LAUNCHER_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent in every process it starts
 
 
 def wait_to_be_stopped(seconds: float) -> None:
@@ -203,8 +205,9 @@ def cli_main(
 
     Every process of a launch runs the same command. With `process` (this one's index), what every process meets
     alike (a bad flag, the `shared` kinds of error) is said once, by process 0; another process says only its own
-    errors, naming itself: `prog: error (process 1): ...`. A process that leaves its error to process 0 waits up to
-    `quiet_exit_wait_s` before it exits (`QUIET_EXIT_WAIT_S`). `on_exit(status)` sees every status, --help's too."""
+    errors, naming itself: `prog: error (process 1): ...`. A process a launcher started that leaves its error to
+    process 0 waits up to `quiet_exit_wait_s` before it exits (`QUIET_EXIT_WAIT_S`). `on_exit(status)` sees every
+    status, --help's too."""
     statuses = {**(exit_statuses or {}), UserError: 2}
     left_to_process_0 = False
     try:
@@ -225,12 +228,12 @@ def cli_main(
     except SystemExit as exit_:  # from the parser (a bad flag: 2, --help: 0), or from `run`
         if on_exit is not None:
             on_exit(exit_code(exit_))
-        if left_to_process_0:
+        if left_to_process_0 and LAUNCHER_ENV in os.environ:
             wait_to_be_stopped(quiet_exit_wait_s)
         raise
     if on_exit is not None:
         on_exit(status)
-    if left_to_process_0:
+    if left_to_process_0 and LAUNCHER_ENV in os.environ:
         wait_to_be_stopped(quiet_exit_wait_s)
     if status:
         raise SystemExit(status)
