@@ -174,21 +174,29 @@ def _capture():
         if "tutorial_lib.processes" in sys.modules:  # its fork server imported the previous notebook's environment
             sys.modules["tutorial_lib.processes"].stop_fork_server()
             sys.modules["tutorial_lib.processes"]._FORK_CONTEXT = None
-        if "tutorial_lib.core" in sys.modules:  # the last notebook's checkpoints, deleted as its kernel's exit would
-            sys.modules["tutorial_lib.core"].remove_scratch_dirs()
 
     state.restore = restore
 _capture()
-if callable(globals().get("remove_scratch_dirs")):  # 00 defines its own (the cell core exports), with its own list
-    remove_scratch_dirs()
 %reset -f
 __import__("sys").modules["_shared_kernel_state"].restore(__FOLDER__)
+"""
+
+# Run after each notebook's last cell: its scratch folders (checkpoints, up to 2 GB) deleted as its kernel's exit
+# would, now rather than when the next notebook starts; the tests a worker runs after its last notebook would
+# otherwise wait beside them. A notebook that fails keeps them until the next one's `RESET_KERNEL`.
+DELETE_SCRATCH = """
+import os as _os, sys as _sys
+_os.chdir(__FOLDER__)  # a notebook may work inside its scratch folder
+if callable(globals().get("remove_scratch_dirs")):  # 00 defines its own (the cell core exports), with its own list
+    remove_scratch_dirs()
+if "tutorial_lib.core" in _sys.modules:
+    _sys.modules["tutorial_lib.core"].remove_scratch_dirs()
 """
 
 
 class SharedKernelNotebook(pytest.Item):
     """A notebook run top to bottom, as nbmake runs it (smoke mode, every cell must succeed), in the test process's
-    one shared kernel, after `RESET_KERNEL`."""
+    one shared kernel, after `RESET_KERNEL`; its scratch folders are deleted after its last cell (`DELETE_SCRATCH`)."""
 
     _kernel = None  # the kernel manager, made by the first notebook of this process; its kernel stays up
 
@@ -198,7 +206,10 @@ class SharedKernelNotebook(pytest.Item):
         from jupyter_client.manager import AsyncKernelManager
 
         nb = nbformat.read(self.path, as_version=4)
-        nb.cells.insert(0, nbformat.v4.new_code_cell(RESET_KERNEL.replace("__FOLDER__", repr(str(self.path.parent)))))
+        folder = repr(str(self.path.parent))
+        nb.cells.insert(0, nbformat.v4.new_code_cell(DELETE_SCRATCH.replace("__FOLDER__", folder)))
+        nb.cells.insert(1, nbformat.v4.new_code_cell(RESET_KERNEL.replace("__FOLDER__", folder)))
+        nb.cells.append(nbformat.v4.new_code_cell(DELETE_SCRATCH.replace("__FOLDER__", folder)))
         if SharedKernelNotebook._kernel is None:
             SharedKernelNotebook._kernel = AsyncKernelManager(kernel_name="python3")
         client = nbclient.NotebookClient(

@@ -192,7 +192,8 @@ def test_notebooks_share_one_kernel_and_each_starts_as_in_a_fresh_one(tmp_path):
     `notebook_launcher` leaves torch's, a warnings filter, W&B's process-wide settings, a scratch folder's checkpoints)
     does not reach the second;
     a failing cell still fails its notebook, and a notebook that kills its kernel fails alone: the next one gets a
-    new kernel. The kernel exits as a kernel does at the end: the last notebook's scratch folder is deleted too."""
+    new kernel. A notebook's scratch folders are deleted when it ends (the tests a worker runs after its last
+    notebook do not wait beside its checkpoints), and the kernel exits as a kernel does."""
     (tmp_path / "conftest.py").write_text((ROOT / "conftest.py").read_text())
     lessons = tmp_path / "notebooks"
     solutions = lessons / "solutions"
@@ -233,17 +234,21 @@ def test_notebooks_share_one_kernel_and_each_starts_as_in_a_fresh_one(tmp_path):
             "open(os.path.join(os.environ['PIDS'], 'scratch_last'), 'w').write(str(scratch))"
         )
     )
+    (tmp_path / "test_after_the_notebooks.py").write_text(
+        "import os\nfrom pathlib import Path\n\n\ndef test_the_last_notebooks_scratch_folder_is_gone():\n"
+        "    assert not Path(Path(os.environ['PIDS'], 'scratch_last').read_text()).exists()\n"
+    )
     env = {**os.environ, "PIDS": str(tmp_path), "EXPECT_CWD": str(solutions)}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--nbmake", "-n", "0"]
-        + ["notebooks/01_first.ipynb", "notebooks/solutions", "--nbmake-timeout=60"],
+        + ["notebooks/01_first.ipynb", "notebooks/solutions", "test_after_the_notebooks.py", "--nbmake-timeout=60"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert "2 failed, 3 passed" in done.stdout and "a failing cell" in done.stdout, done.stdout[-3000:]
+    assert "2 failed, 4 passed" in done.stdout and "a failing cell" in done.stdout, done.stdout[-3000:]
     assert "FAILED notebooks/solutions/04_kills_its_kernel.ipynb" in done.stdout, "a dead kernel fails its notebook"
     assert (tmp_path / "first").read_text() == (tmp_path / "second").read_text(), "one kernel for both"
     last = Path((tmp_path / "scratch_last").read_text())
