@@ -19,9 +19,9 @@ def top1(script: str, options: dict, seed: int) -> float:
     try:
         if script == "simple_train":
             from tutorial_lib import simple_train
+            from tutorial_lib.cli import as_flags
 
-            flags = [part for key, value in options.items() for part in as_flag(key, value)]
-            return simple_train.main(flags)["val_top1"]
+            return simple_train.main(as_flags(options))["val_top1"]
         from tutorial_lib.flags import default_args
         from tutorial_lib.train import train
 
@@ -29,10 +29,6 @@ def top1(script: str, options: dict, seed: int) -> float:
     finally:  # the next run builds its Accelerator afresh
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
-
-
-def as_flag(key: str, value) -> list[str]:
-    return [f"--{key}"] if value is True else [] if value is False else [f"--{key}", str(value)]
 
 
 def main(argv: list[str]) -> None:
