@@ -552,3 +552,36 @@ def test_the_copy_runs_by_path_from_an_empty_folder_on_1_and_2_processes(tmp_pat
     for name in ["one", "two"]:
         assert [r["epoch"] for r in rows(project / "runs" / name)] == [0]
         assert all(r["val_count"] == 20 for r in rows(project / "runs" / name))
+
+
+# Two processes under torchrun's agent (what `accelerate launch` runs), which stops the others as soon as one ends.
+# Process 0 alone checks the run's folder and says what is wrong; here its line takes 3 s to come out (a loaded core).
+LATE_LINE_FROM_PROCESS_0 = """
+import os, sys, time
+if os.environ["RANK"] == "0":
+    class Late:
+        def __getattr__(self, name):
+            return getattr(sys.__stderr__, name)
+        def write(self, text):
+            time.sleep(3 if "error:" in text else 0)
+            return sys.__stderr__.write(text)
+    sys.stderr = Late()
+from tutorial_lib import simple_train
+simple_train.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+def test_a_2_process_launch_says_process_0s_error_line_even_when_the_other_process_is_done_first(tmp_path):
+    script = tmp_path / "late_line.py"
+    script.write_text(LATE_LINE_FROM_PROCESS_0)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(), script]
+    options = flags(cpu=True, log_with="none", path_to_data=tmp_path / "no_such_folder")
+    done = subprocess.run(
+        [*map(str, command), *options], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    line = f"simple_train: error: --path_to_data {tmp_path / 'no_such_folder'} needs train/<class>/ and val/<class>/"
+    assert done.returncode != 0 and done.stderr.count("simple_train: error:") == 1, done.stderr[-3000:]
+    assert line in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "runs").exists(), "nothing written"

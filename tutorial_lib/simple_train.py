@@ -298,8 +298,11 @@ def main(argv: list[str] | None = None) -> dict:
     if accelerator.is_main_process:
         claim = (claim_folder(args, run_dir, args.batch_size * accelerator.num_processes) + claim)[:4]
     error, run_id, checkpoint = broadcast_object_list(claim[:3])
-    if error:  # one line, said by the main process
-        parser.error(error) if accelerator.is_main_process else parser.exit(2)
+    if error:  # one line, said by the main process; a launcher stops every process when one ends, so all wait for it
+        if accelerator.is_main_process:
+            print(f"{parser.prog}: error: {error}", file=sys.stderr, flush=True)
+        accelerator.wait_for_everyone()
+        parser.exit(2)
     try:
         set_seed(args.seed)  # the same initial weights on every process
         train_ds, order, train_loader, val_loader = build_loaders(parser, args)
