@@ -576,7 +576,16 @@ def test_a_2_process_launch_says_process_0s_error_line_even_when_the_other_proce
     script = tmp_path / "late_line.py"
     script.write_text(LATE_LINE_FROM_PROCESS_0)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(), script]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        free_port(),
+        script,
+    ]
     options = flags(cpu=True, log_with="none", path_to_data=tmp_path / "no_such_folder")
     done = subprocess.run(
         [*map(str, command), *options], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
