@@ -209,7 +209,7 @@ def cli_main(
     process 0 waits up to `quiet_exit_wait_s` before it exits (`QUIET_EXIT_WAIT_S`). `on_exit(status)` sees every
     status, --help's too."""
     statuses = {**(exit_statuses or {}), UserError: 2}
-    left_to_process_0 = False
+    left_to_process_0, ending = False, None  # ending: the parser's or `run`'s SystemExit, raised again last
     try:
         try:
             with contextlib.redirect_stderr(sys.stderr if process == 0 else io.StringIO()):  # process 0 says a bad flag
@@ -226,15 +226,13 @@ def cli_main(
                 where = f" (process {process})" if process else ""
                 print(f"{parser.prog}: error{where}: {line(err)}", file=sys.stderr, flush=True)
     except SystemExit as exit_:  # from the parser (a bad flag: 2, --help: 0), or from `run`
-        if on_exit is not None:
-            on_exit(exit_code(exit_))
-        if left_to_process_0 and LAUNCHER_ENV in os.environ:
-            wait_to_be_stopped(quiet_exit_wait_s)
-        raise
+        status, ending = exit_code(exit_), exit_
     if on_exit is not None:
         on_exit(status)
     if left_to_process_0 and LAUNCHER_ENV in os.environ:
         wait_to_be_stopped(quiet_exit_wait_s)
+    if ending is not None:
+        raise ending
     if status:
         raise SystemExit(status)
 
