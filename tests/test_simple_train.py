@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from tutorial_lib import simple_train
+from tutorial_lib.cli import as_flags
 from tutorial_lib.core import free_port, linked_subset
 from tutorial_lib.processes import TrainingProcess
 from tutorial_lib.sources import embedded_data_path
@@ -37,10 +38,7 @@ def subset(folder: Path, per_class_train: int, per_class_val: int) -> Path:
 
 
 def flags(**options) -> list[str]:
-    out = []
-    for key, value in options.items():
-        out += [f"--{key}"] if value is True else [] if value is False else [f"--{key}", str(value)]
-    return out
+    return as_flags(options)
 
 
 def run_in_process(**options) -> dict:
@@ -576,19 +574,10 @@ def test_a_2_process_launch_says_process_0s_error_line_even_when_the_other_proce
     script = tmp_path / "late_line.py"
     script.write_text(LATE_LINE_FROM_PROCESS_0)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        free_port(),
-        script,
-    ]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     options = flags(cpu=True, log_with="none", path_to_data=tmp_path / "no_such_folder")
     done = subprocess.run(
-        [*map(str, command), *options], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        [*launch, str(script), *options], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )
     line = f"simple_train: error: --path_to_data {tmp_path / 'no_such_folder'} needs train/<class>/ and val/<class>/"
     assert done.returncode != 0 and done.stderr.count("simple_train: error:") == 1, done.stderr[-3000:]
