@@ -357,6 +357,22 @@ def test_one_run_per_folder_a_fresh_start_into_anothers_folder_is_refused_and_la
 
 
 @pytest.mark.slow
+def test_a_start_that_failed_before_any_result_leaves_the_folder_to_the_corrected_command(tmp_path, capsys):
+    data = subset(tmp_path / "data", 4, 2)
+    common = dict(**SMALL, path_to_data=data, working_directory=tmp_path, experiment_name="retry")
+    for split in ("train", "val"):
+        (data / split / "zz_empty").mkdir()
+    assert "zz_empty" in refused(capsys, **common)  # found in the data, after the folder was claimed
+    assert (tmp_path / "retry" / "run_id").read_text(), "the failed start did claim the folder"
+    for split in ("train", "val"):
+        (data / split / "zz_empty").rmdir()
+    assert run_in_process(**common)["epoch"] == 0  # the same command, corrected, trains there
+    # a run's folder is no checkpoint: said so, not taken for a save cut short
+    err = refused(capsys, **common, resume_from_checkpoint=tmp_path / "retry")
+    assert "not a checkpoint" in err and "step_<N>" in err, err
+
+
+@pytest.mark.slow
 def test_one_process_tree_per_folder_a_second_run_while_the_first_runs_is_refused(tmp_path, capsys):
     data = subset(tmp_path / "data", 4, 2)
     common = dict(**SMALL, path_to_data=data, working_directory=tmp_path, experiment_name="busy")
@@ -451,6 +467,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_latest_then_resumes_the_last_
         ("max_grad_norm", "nan"),
         ("num_workers", "-1"),
         ("seed", "5000000000"),
+        ("model", "resnet5"),  # a typo: said at once, not after the data scan
     ],
 )
 def test_flags_are_checked_when_parsed_finite_and_in_range(flag, value, capsys):

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
-from torchvision import datasets, transforms
+from torchvision import datasets, models, transforms
 
 # %% auto #0
 __all__ = ['NORMS', 'EpochSeeded', 'read_image', 'visible_image', 'load_data', 'build_model', 'param_groups', 'build_scheduler',
@@ -226,6 +226,7 @@ def claim_folder(args, run_dir: Path, batch: int) -> list:
     except BlockingIOError:
         return [f"{run_dir} is in use by another run: wait for it, or choose another --experiment_name"]
     owner = (run_dir / "run_id").read_text()
+    kept = (run_dir / "metrics.jsonl").is_file() or any((run_dir / "checkpoints").glob("step_*"))  # its results
     for folder in sorted((run_dir / "checkpoints").glob("step_*"), reverse=True) if resume == "latest" else []:
         if not completed(folder):  # `latest`: this run's newest checkpoint that save_state finished
             print(f"skipping {folder}: save_state did not finish it (no done.json)", flush=True)
@@ -234,8 +235,8 @@ def claim_folder(args, run_dir: Path, batch: int) -> list:
             break
     done = completed(checkpoint) if checkpoint else {}
     if checkpoint and not done:
-        return [f"{checkpoint}: save_state did not finish it (no done.json): resume another checkpoint"]
-    if owner and (done["run"] != owner if done else resume != "latest"):  # a fresh start, or another run's checkpoint
+        return [f"{checkpoint} has no done.json: not a checkpoint (<run>/checkpoints/step_<N>), or a save cut short"]
+    if owner and (done["run"] != owner if done else resume != "latest" and kept):  # a fresh start, or another's
         return [f"{run_dir} holds run {owner}: pass --resume_from_checkpoint latest, or another --experiment_name"]
     if done and done["model"] != args.model:  # its weights would not fit
         return [f"{checkpoint} holds a {done['model']}: resume it with --model {done['model']}"]
@@ -380,14 +381,14 @@ def get_args_parser() -> argparse.ArgumentParser:
     # fixed (08b): the video's README passed --warmup_epochs, a flag its parser did not have: both names work here
     add("--lr_warmup_epochs", "--warmup_epochs", type=AT_LEAST_0, default=0.0, help="linear warmup, in epochs")
     add = parser.add_argument_group("flags the course adds").add_argument
-    add("--model", default="resnet50", help="a torchvision classification model, e.g. resnet18")
+    add("--model", default="resnet50", choices=models.list_models(models), metavar="CLASSIFIER", help="e.g. resnet18")
     add("--lr_scheduler", choices=["step", "cosine"], default="step", help="after the warmup: step decay or cosine")
     add("--min_crop_scale", type=ONE_AT_MOST, default=0.08, help="smallest area fraction a random crop keeps")
     add("--label_smoothing", type=ONE_AT_MOST, default=0.0, help="weight of the uniform distribution in the targets")
     add("--zero_init_residual", action="store_true", help="each residual block starts as the identity (ResNets)")
     add("--seed", type=within(0, 9_999_999, int), default=0, help="seeds the weights, order and crops (in 64 bits)")
     add("--cpu", action="store_true", help="train on the CPU even if a GPU is present")
-    add("--mixed_precision", choices=["no", "bf16", "fp16"], default=None, help="None: what accelerate config says")
+    add("--mixed_precision", choices=["no", "bf16", "fp16"], default=None, help="None: accelerate launch's, else no")
     add("--log_with", choices=["wandb", "none"], default="wandb", help="wandb logs offline when it cannot log online")
     add("--wandb_project", default="resnet50-imagenet-accelerate", help="the W&B project of the run")
     add("--checkpoint_every_steps", type=COUNT, default=None, help="also every N optimizer steps, mid-epoch")
