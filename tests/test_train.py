@@ -28,7 +28,7 @@ from train_helpers import (
 )
 
 from tutorial_lib.accel import read_metrics
-from tutorial_lib.checkpoints import latest_checkpoint, list_checkpoints
+from tutorial_lib.checkpoints import CheckpointError, latest_checkpoint, list_checkpoints
 from tutorial_lib.cli import config_path
 from tutorial_lib.core import free_port
 from tutorial_lib.flags import (
@@ -618,3 +618,34 @@ def test_readme_quick_start_command_parses_with_the_script_flags():
     args = get_args_parser(exit_on_error=False).parse_args(shlex.split(command)[1:])
     assert (args.model, args.img_size, args.min_crop_scale, args.zero_init_residual) == ("resnet18", 32, 0.5, True)
     assert args.cpu and args.log_with == ["none"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change", [{"seed": 1}, {"max_train_samples": 64}])
+def test_mid_epoch_resume_with_another_order_of_batches_is_refused(tmp_path, change):
+    """Another --seed or training set skips other images than the ones the checkpoint trained."""
+    run(tmp_path, "order", batch_size=16, epochs=1, stop_after_steps=2)
+    flag = "--" + next(iter(change))
+    with pytest.raises(CheckpointError, match=rf"saved mid-epoch with \(.*{flag}.*\) = .*same set-up"):
+        run(tmp_path, "order", batch_size=16, epochs=1, resume_from_checkpoint="latest", **change)
+
+
+@pytest.mark.slow
+def test_a_resume_says_what_it_cannot_do_and_records_what_it_changed(tmp_path):
+    """--ema added, --epochs below the epochs done: one line each; --stop_after_steps already reached trains no
+    step more; an epoch-end resume with another --seed and --max_grad_norm records both in config.json."""
+    options = dict(batch_size=16, epochs=2)  # 80 images: 5 optimizer steps per epoch
+    run(tmp_path, "r", **options, stop_after_steps=5)
+    saved = latest_checkpoint(tmp_path / "r")
+    with pytest.raises(CheckpointError, match=r"holds 0 registered object\(s\) .* registers 1: it was saved with another --ema setting"):
+        run(tmp_path, "r", **options, ema=True, resume_from_checkpoint="latest")
+    again = run(tmp_path, "r", **options, stop_after_steps=5, resume_from_checkpoint="latest")
+    assert again["stopped"] and again["optimizer_steps"] == 5, "no step past --stop_after_steps"
+    assert list_checkpoints(tmp_path / "r") == [saved], "nothing trained, nothing saved"
+    done = run(tmp_path, "r", **options, seed=3, max_grad_norm=1.0, resume_from_checkpoint="latest")
+    assert done["finished"] and done["optimizer_steps"] == 10
+    changes = json.loads((tmp_path / "r" / "config.json").read_text())["changes"]
+    assert {"step": 5, "flag": "seed", "from": 0, "to": 3} in changes, changes
+    assert {"step": 5, "flag": "max_grad_norm", "from": None, "to": 1.0} in changes, changes
+    with pytest.raises(BadFlagError, match=r"^--epochs 1 but .*step_000000010 has 2 epochs done: give --epochs 2"):
+        run(tmp_path, "r", **{**options, "epochs": 1}, resume_from_checkpoint="latest")

@@ -158,7 +158,10 @@ def auto_mixed_precision(capability: tuple[int, int] | None) -> tuple[str, str]:
     """What `mixed_precision="auto"` (`--mixed_precision auto`) picks for a GPU of CUDA compute `capability`
     (None: no GPU), and why, in words for the run's first lines."""
     if capability is None:
-        return "no", "no GPU: fp32 (a CPU has no fp16 autocast, and without bf16 matrix units bf16 only slows it)"
+        return (
+            "no",
+            "no GPU: fp32 (Accelerate applies no fp16 autocast on a CPU, and without bf16 matrix units bf16 only slows it)",
+        )
     version = f"compute capability {capability[0]}.{capability[1]}"
     if tuple(capability) >= (8, 0):  # Ampere and newer have bf16 tensor cores
         return "bf16", f"{version} computes bf16 natively"
@@ -221,7 +224,7 @@ def build_accelerator(
     GradientState._reset_state()
     accelerator = Accelerator(
         cpu=cpu,
-        mixed_precision=mixed_precision,  # None: what `accelerate config`/launch says, else fp32
+        mixed_precision=mixed_precision,  # None: what `accelerate launch` passes on (its flags, its config), else fp32
         gradient_accumulation_steps=gradient_accumulation_steps,
         step_scheduler_with_optimizer=False,  # the training script steps it once per optimizer step
         log_with=log_with,

@@ -351,6 +351,18 @@ def _check_optimizer_state(path: Path, optimizer, flag: str) -> None:
                         "for this model: resume from a checkpoint of this run"
                     )
 
+
+def _check_registered_objects(path: Path, registered: int, flag: str) -> None:
+    """As many `custom_checkpoint_<i>.pkl` files as the run registers objects (`register_for_checkpointing`): else
+    `load_state` raises a multi-line ValueError. In 08b's script an `--ema` added or dropped is the cause."""
+    found = len([p for p in path.glob("custom_checkpoint_*.pkl") if p.stem.rsplit("_", 1)[-1].isdigit()])
+    if found != registered:
+        raise CheckpointError(
+            f"{flag} holds {found} registered object(s) (custom_checkpoint_*.pkl) where this run registers "
+            f"{registered}: it was saved with another --ema setting (the average is one); resume with the "
+            "--ema of the run that saved it"
+        )
+
 # %% ../notebooks/06a_checkpoints.ipynb #9d7d3a3d
 def load_checkpoint(
     accelerator, path: str | os.PathLike, expect: dict | None = None, model=None, optimizer=None
@@ -372,6 +384,7 @@ def load_checkpoint(
         _check_model_tensors(path, model, flag)
     if optimizer is not None and (path / "optimizer.bin").is_file():
         _check_optimizer_state(path, optimizer, flag)
+    _check_registered_objects(path, len(accelerator._custom_objects), flag)
     try:
         accelerator.load_state(str(path))  # safetensors model; other files torch.load(weights_only=True)
     except (RuntimeError, ValueError, KeyError, IndexError, TypeError) as err:  # what the checks above cannot foresee
@@ -519,11 +532,12 @@ def resume_state(
     layout: list,
     model=None,
     optimizer=None,
+    layout_names: tuple = ("processes", "--batch_size", "--gradient_accumulation_steps"),
 ) -> Path | None:
     """`--resume_from_checkpoint` (a folder or `latest`): restore the checkpoint into the prepared objects and
     `state`; None when there is none. Refuses another model's (`expect`; tensor shapes too, given the unwrapped
     `model` and the `optimizer`), a `train_state.json` with other keys, and a mid-epoch one saved with another
-    `layout`. Every process calls it; a fresh run gets its id here."""
+    `layout` (what decides the order of the batches; `layout_names` says what each value is). Every process calls it; a fresh run gets its id here."""
     from accelerate.utils import broadcast_object_list
 
     folder_run = folder_run_id(run_dir)  # the run this folder belongs to: `latest` resumes only it
@@ -540,9 +554,9 @@ def resume_state(
             ) from None
         if state.batches_done and state.layout and list(state.layout) != list(layout):
             raise CheckpointError(
-                f"{path} was saved mid-epoch with (processes, --batch_size, "
-                f"--gradient_accumulation_steps) = {tuple(state.layout)}, not {tuple(layout)}: resume "
-                "with the same set-up, or from an epoch-end checkpoint"
+                f"{path} was saved mid-epoch with ({', '.join(layout_names[: len(state.layout)])}) = "
+                f"{tuple(state.layout)}, not {tuple(layout)}: resume with the same set-up, or from an epoch-end "
+                "checkpoint"
             )
         accelerator.print(
             f"resumed from {path}: epoch {state.epoch}, {state.batches_done} batches into it, "

@@ -56,10 +56,10 @@ from tutorial_lib.transforms import (
 # %% auto #0
 __all__ = ['RECIPE_V1', 'seed_value', 'RESUMABLE_FLAGS', 'NOT_RESUMABLE_FLAGS', 'WARMUP_CAP', 'BadFlagError', 'build_model',
            'get_args_parser', 'wandb_project_name', 'add_run_and_data_flags', 'add_optimisation_flags',
-           'add_speed_and_checkpoint_flags', 'default_args', 'optimisation_flags', 'check_resume_flags',
-           'LaunchSettings', 'train_crop_size', 'run_folder', 'launch_settings', 'resolve_learning_rate',
-           'train_resolution', 'meta_model', 'input_size_error', 'smallest_input_size', 'check_input_sizes',
-           'check_args', 'check_paths']
+           'add_speed_and_checkpoint_flags', 'default_args', 'flags_in_groups', 'optimisation_flags',
+           'check_resume_flags', 'LaunchSettings', 'train_crop_size', 'run_folder', 'launch_settings',
+           'resolve_learning_rate', 'train_resolution', 'meta_model', 'input_size_error', 'smallest_input_size',
+           'check_input_sizes', 'check_args', 'check_paths']
 
 # %% ../notebooks/08a_flags_and_checks.ipynb #774e706e
 class BadFlagError(UserError, ValueError):
@@ -166,7 +166,7 @@ def add_run_and_data_flags(group, data) -> None:
         choices=["no", "bf16", "fp16", "auto"],
         default=None,
         help="precision of the forward pass; auto: bf16 where the GPU has it natively, else fp16, fp32 on a CPU "
-        "(default: what `accelerate config`/`accelerate launch` says, else no)",
+        "(default: what `accelerate launch` passes on, from its flags or `accelerate config`; a plain run: no)",
     )
     add(
         "--log_with",
@@ -370,11 +370,15 @@ def default_args(**overrides) -> argparse.Namespace:
     return parse_overrides(get_args_parser(exit_on_error=False), **overrides)
 
 # %% ../notebooks/08a_flags_and_checks.ipynb #b3e0d5c2
+def flags_in_groups(titles: tuple[str, ...], parser: argparse.ArgumentParser | None = None) -> list[str]:
+    """The flags of `parser` (the script's by default) in the `--help` groups whose titles start with `titles`."""
+    groups = (parser or get_args_parser())._action_groups
+    return [action.dest for group in groups if group.title.startswith(titles) for action in group._group_actions]
+
+
 def optimisation_flags(parser: argparse.ArgumentParser | None = None) -> list[str]:
     """The optimisation and schedule flags of `parser` (the script's by default): what every checkpoint records."""
-    groups = (parser or get_args_parser())._action_groups
-    titles = ("optimisation", "learning-rate schedule")
-    return [action.dest for group in groups if group.title.startswith(titles) for action in group._group_actions]
+    return flags_in_groups(("optimisation", "learning-rate schedule"), parser)
 
 
 def check_resume_flags(saved: dict, args: argparse.Namespace, checkpoint: str | Path) -> None:

@@ -65,6 +65,7 @@ from tutorial_lib.flags import (
     build_model,
     check_args,
     check_resume_flags,
+    flags_in_groups,
     get_args_parser,
     launch_settings,
     optimisation_flags,
@@ -116,10 +117,11 @@ from tutorial_lib.transforms import (
 )
 
 # %% auto #0
-__all__ = ['TIMING_KEYS', 'WATCHED_FLAGS', 'SHARED_ERRORS', 'LATE_SIGNALS', 'Run', 'EpochResult', 'train_step', 'train_one_epoch',
-           'log_step', 'save_run_checkpoint', 'evaluate', 'load_data', 'build_optimizer', 'build_training_scheduler',
-           'setup_run', 'resume_run', 'override_hyperparameters', 'open_outputs', 'train_and_evaluate', 'report_skips',
-           'epoch_row', 'finish_run', 'train', 'error_line', 'main', 'run_command', 'finish_despite_late_signals']
+__all__ = ['TIMING_KEYS', 'WATCHED_FLAGS', 'LAYOUT_NAMES', 'SHARED_ERRORS', 'LATE_SIGNALS', 'Run', 'EpochResult', 'train_step',
+           'train_one_epoch', 'log_step', 'save_run_checkpoint', 'evaluate', 'load_data', 'build_optimizer',
+           'build_training_scheduler', 'setup_run', 'resume_run', 'override_hyperparameters', 'open_outputs',
+           'train_and_evaluate', 'report_skips', 'epoch_row', 'finish_run', 'train', 'error_line', 'main',
+           'run_command', 'finish_despite_late_signals']
 
 # %% ../notebooks/08b_production_script.ipynb #513e2408
 @dataclass
@@ -440,7 +442,9 @@ def resume_run(run: Run) -> None:
     in the schedule (epochs done / --epochs) under a new --batch_size, accumulation or number of processes."""
     args, accelerator, state = run.args, run.accelerator, run.state
     expect = {k: run.checkpoint_meta[k] for k in ("model", "num_classes", "model_signature")}
+    # what decides which batches a mid-epoch checkpoint has already trained: the same, or that resume is refused
     layout = [accelerator.num_processes, args.batch_size, args.gradient_accumulation_steps]
+    layout += [args.seed, args.max_train_samples]
     path = resume_state(
         accelerator,
         args.resume_from_checkpoint,
@@ -450,9 +454,14 @@ def resume_run(run: Run) -> None:
         layout,
         accelerator.unwrap_model(run.model),
         run.optimizer,
+        LAYOUT_NAMES,
     )  # tensors checked against these
     if path is None:
         return
+    if state.epoch > args.epochs:  # the loop would train nothing and finish_run rewrite the final outputs
+        raise BadFlagError(
+            f"--epochs {args.epochs} but {path} has {state.epoch} epochs done: give --epochs {state.epoch} or more"
+        )
     recorded = json.loads((path / MANIFEST).read_text()).get("flags", {})  # none in an older script's checkpoint
     check_resume_flags(recorded, args, path)
     schedule, steps_per_epoch = run.scheduler.scheduler, run.steps_per_epoch
@@ -513,19 +522,15 @@ def open_outputs(run: Run, num_train: int, num_val: int) -> MetricsLogger:
     return MetricsLogger(run_dir / "metrics.jsonl", accelerator)
 
 
+# what config.json records a resume changed: every flag of the data, optimisation, schedule and speed groups, and
+# what the launch decides
 WATCHED_FLAGS = (
-    "learning_rate",
-    "momentum",
-    "weight_decay",
-    "norm_weight_decay",
-    "bias_weight_decay",
-    "batch_size",
-    "gradient_accumulation_steps",
+    *flags_in_groups(("data", "optimisation", "learning-rate schedule", "speed")),
     "num_processes",
-    "epochs",
-    "lr_scheduler",
-    "label_smoothing",
+    "seed",
+    "mixed_precision",
 )
+LAYOUT_NAMES = ("processes", "--batch_size", "--gradient_accumulation_steps", "--seed", "--max_train_samples")
 
 # %% ../notebooks/08b_production_script.ipynb #e847d187
 def train_and_evaluate(run: Run, logger: MetricsLogger) -> tuple[list[dict], bool]:
@@ -536,6 +541,12 @@ def train_and_evaluate(run: Run, logger: MetricsLogger) -> tuple[list[dict], boo
     args, accelerator, state = run.args, run.accelerator, run.state
     rows = broadcast_object_list([read_metrics(logger.path) if accelerator.is_main_process else []])[0]
     first_epoch = state.epoch
+    if args.stop_after_steps and state.global_step >= args.stop_after_steps:  # a resume already there: no step more
+        accelerator.print(
+            f"stopped at optimizer step {state.global_step}: --stop_after_steps {args.stop_after_steps} reached",
+            flush=True,
+        )
+        return rows, True
     for epoch in range(state.epoch, args.epochs):
         state.epoch = epoch
         res = train_resolution(args, epoch)
