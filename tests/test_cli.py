@@ -507,3 +507,32 @@ def test_run_notebooks_records_the_modules_a_notebook_ran(tmp_path):
     run_notebooks([path], clean=False)
     record = json.loads(path.read_text())["metadata"]["tutorial_lib"]["modules"]
     assert {"accumulation.py", "core.py"} <= set(record) and stale_outputs([path]) == {}
+
+
+def test_stale_outputs_lists_the_solutions_too_skips_notebooks_that_run_no_module_and_refuses_outside_the_project(
+    tmp_path, monkeypatch, capsys
+):
+    from tutorial_lib.cli import main
+
+    plain = tmp_path / "notebooks" / "solutions" / "01_x.ipynb"
+    plain.parent.mkdir(parents=True)
+    cell = {"cell_type": "code", "execution_count": None, "id": "a", "metadata": {}, "outputs": []}
+    nb = {"cells": [{**cell, "source": "print(1)"}], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    plain.write_text(json.dumps(nb))
+    uses = plain.with_name("02_y.ipynb")
+    uses.write_text(json.dumps({**nb, "cells": [{**cell, "source": "import tutorial_lib.core"}]}))
+    assert stale_outputs([plain, uses]) == {str(uses): None}, "print(1) runs no module: it cannot go stale"
+    monkeypatch.chdir(tmp_path)
+    main(["stale-outputs"])
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "notebooks/solutions/02_y.ipynb: no record of its outputs",
+        "1 of 2 notebooks to run again (tutorial-lib run-notebooks NOTEBOOK)",
+    ], out
+    monkeypatch.chdir(tmp_path / "notebooks" / "solutions")  # no notebooks/ here
+    with pytest.raises(SystemExit) as exit_:
+        main(["stale-outputs"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "tutorial-lib: error: no notebooks/NN_*.ipynb here: run it from the project folder"
+    )

@@ -98,6 +98,32 @@ def test_copy_script_writes_into_a_folder_and_never_overwrites(tmp_path, capsys)
     assert (tmp_path / "simple_train.py").read_text() == "# my edits"
 
 
+def test_copy_script_makes_a_missing_folder_refuses_in_one_line_and_says_how_to_run_the_copy(
+    tmp_path, monkeypatch, capsys
+):
+    from tutorial_lib.cli import clean_script
+    from tutorial_lib.cli import main as tutorial_lib
+
+    monkeypatch.chdir(tmp_path)
+    tutorial_lib(["copy-script", "my_project"])  # not made yet: a learner's first step
+    assert Path("my_project/simple_train.py").read_text() == clean_script()
+    assert capsys.readouterr().out == (
+        "wrote my_project/simple_train.py: run it with `python my_project/simple_train.py --help`\n"
+    )
+    tutorial_lib(["copy-script", "new/deeper/train.py"])
+    assert Path("new/deeper/train.py").read_text() == clean_script()
+    Path("a_file").write_text("mine")
+    for dest, line in [
+        ("a_file", "a_file/simple_train.py has a file in its path; name a new .py file, or a folder"),
+        ("a_file/x.py", "a_file/x.py has a file in its path; name a new .py file, or a folder"),
+        ("notes.txt", "notes.txt: name a new .py file, or a folder"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            tutorial_lib(["copy-script", dest])
+        assert exit_.value.code == 2 and capsys.readouterr().err == f"tutorial-lib: error: {line}\n", dest
+    assert Path("a_file").read_text() == "mine" and not Path("notes.txt").exists()
+
+
 def test_every_fixed_line_names_a_notebook_of_the_course():
     fixes = re.findall(r"# fixed \((\w+)\):", SOURCE.read_text())
     assert len(fixes) == 12, "one line per bug of the video's script (08b §11 lists twelve)"

@@ -637,7 +637,8 @@ def test_a_resume_says_what_it_cannot_do_and_records_what_it_changed(tmp_path):
     options = dict(batch_size=16, epochs=2)  # 80 images: 5 optimizer steps per epoch
     run(tmp_path, "r", **options, stop_after_steps=5)
     saved = latest_checkpoint(tmp_path / "r")
-    with pytest.raises(CheckpointError, match=r"holds 0 registered object\(s\) .* registers 1: it was saved with another --ema setting"):
+    ema_added = r"holds 0 registered object\(s\) .* registers 1: it was saved with another --ema setting"
+    with pytest.raises(CheckpointError, match=ema_added):
         run(tmp_path, "r", **options, ema=True, resume_from_checkpoint="latest")
     again = run(tmp_path, "r", **options, stop_after_steps=5, resume_from_checkpoint="latest")
     assert again["stopped"] and again["optimizer_steps"] == 5, "no step past --stop_after_steps"

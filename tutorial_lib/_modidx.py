@@ -240,6 +240,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'tutorial_lib.cli.clean_script': ('course_tools.html#clean_script', 'tutorial_lib/cli.py'),
                                   'tutorial_lib.cli.cli_main': ('course_tools.html#cli_main', 'tutorial_lib/cli.py'),
                                   'tutorial_lib.cli.config_path': ('course_tools.html#config_path', 'tutorial_lib/cli.py'),
+                                  'tutorial_lib.cli.copy_script': ('course_tools.html#copy_script', 'tutorial_lib/cli.py'),
                                   'tutorial_lib.cli.course_notebooks': ('course_tools.html#course_notebooks', 'tutorial_lib/cli.py'),
                                   'tutorial_lib.cli.course_stats': ('course_tools.html#course_stats', 'tutorial_lib/cli.py'),
                                   'tutorial_lib.cli.exit_code': ('course_tools.html#exit_code', 'tutorial_lib/cli.py'),

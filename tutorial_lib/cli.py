@@ -28,8 +28,8 @@ __all__ = ['positive_int', 'non_negative_int', 'positive_float', 'non_negative_f
            'exit_code', 'wait_to_be_stopped', 'cli_main', 'run_on_user_files', 'as_flags', 'parse_overrides',
            'Progress', 'config_path', 'course_notebooks', 'shown_path', 'NotebookStats', 'notebook_stats',
            'course_stats', 'format_course_map', 'navigation_text', 'write_navigation', 'merge_stream_outputs',
-           'library_fingerprint', 'stale_outputs', 'run_notebooks', 'clean_script', 'get_args_parser', 'run_command',
-           'main']
+           'library_fingerprint', 'stale_outputs', 'run_notebooks', 'clean_script', 'copy_script', 'get_args_parser',
+           'run_command', 'main']
 
 # %% ../notebooks/00a_course_tools.ipynb #abf5a5d3
 def number_flag(
@@ -622,12 +622,15 @@ def library_fingerprint(cells: Iterable[dict]) -> dict[str, str]:
 def stale_outputs(paths: Iterable[str | os.PathLike]) -> dict[str, list[str] | None]:
     """The notebooks among `paths` (as given) whose committed outputs may be out of date -> why: the modules that
     changed since `run_notebooks` made those outputs (or that the notebook runs now and did not then), or None for a
-    notebook with no record (never run in full mode by `run_notebooks` since it began to record)."""
+    notebook with no record (never run in full mode by `run_notebooks` since it began to record). A notebook that runs
+    no module of the package is never stale: no change of the package can change its outputs."""
     stale = {}
     for path in map(Path, paths):
         nb = json.loads(path.read_text())
         recorded = nb.get("metadata", {}).get(LIBRARY_RECORD, {}).get("modules")
         now = library_fingerprint(nb["cells"])
+        if not now:
+            continue
         changed = None if recorded is None else [name for name, digest in now.items() if recorded.get(name) != digest]
         if changed is None or changed:
             stale[str(path)] = changed
@@ -674,8 +677,8 @@ def run_notebooks(
                 client.execute()
             except CellExecutionError as err:  # nbclient shows the cell, not which notebook it is in
                 raise CellExecutionError(f"in {path}: {err}", err.ename, err.evalue) from None
-            seconds[path.name] = time.perf_counter() - start
-            print(f"{path.name}: {seconds[path.name]:.0f} s ({'smoke' if smoke else 'full'} mode)", flush=True)
+            seconds[str(path)] = time.perf_counter() - start  # by path: a notebook and its solutions share a name
+            print(f"{path}: {seconds[str(path)]:.0f} s ({'smoke' if smoke else 'full'} mode)", flush=True)
             if not smoke:
                 merge_stream_outputs(nb)
                 nb.metadata[LIBRARY_RECORD] = {"modules": modules}
@@ -712,6 +715,28 @@ def clean_script(source: str | None = None) -> str:
         "switches).",
     ]
     return "\n".join(header + lines) + "\n"
+
+
+def copy_script(dest: str | os.PathLike) -> Path:
+    """`tutorial-lib copy-script DEST`: write `clean_script()` to DEST, a new `.py` file, or a folder that gets
+    `simple_train.py`; missing folders are made, an existing file is never overwritten. Says how to run the copy."""
+    import shlex
+
+    given = Path(dest)
+    if given.suffix not in ("", ".py") and not given.is_dir():
+        raise UserError(f"{given}: name a new .py file, or a folder")
+    target = given / "simple_train.py" if given.is_dir() or given.suffix != ".py" else given
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with target.open("x") as file:  # "x": never overwrite, even a file made a moment ago
+            file.write(clean_script())
+    except FileExistsError:  # the file, or a file where its folder would be
+        why = "exists: an existing file is never overwritten" if target.exists() else "has a file in its path"
+        raise UserError(f"{target} {why}; name a new .py file, or a folder") from None
+    except OSError as err:  # a parent that is a file, no permission
+        raise UserError(f"cannot write {target}: {err.strerror}") from None
+    print(f"wrote {target}: run it with `python {shlex.quote(str(target))} --help`")
+    return target
 
 # %% ../notebooks/00a_course_tools.ipynb #365c9ede
 def get_args_parser() -> argparse.ArgumentParser:
@@ -770,17 +795,16 @@ def run_command(args: argparse.Namespace) -> None:
         print(f"{len(seconds)} notebooks, {sum(seconds.values()) / 60:.1f} min in all")
         return
     if args.command == "stale-outputs":
-        stale = stale_outputs(course_notebooks())
+        paths = course_notebooks() + sorted(Path("notebooks/solutions").glob(COURSE_NOTEBOOKS))
+        if not paths:
+            raise UserError("no notebooks/NN_*.ipynb here: run it from the project folder")
+        stale = stale_outputs(paths)
         for name, changed in stale.items():
             print(f"{name}: " + (", ".join(changed) + " changed since" if changed else "no record of") + " its outputs")
-        print(f"{len(stale)} of {len(course_notebooks())} notebooks to run again (tutorial-lib run-notebooks NOTEBOOK)")
+        print(f"{len(stale)} of {len(paths)} notebooks to run again (tutorial-lib run-notebooks NOTEBOOK)")
         return
     if args.command == "copy-script":
-        dest = Path(args.dest) / "simple_train.py" if Path(args.dest).is_dir() else Path(args.dest)
-        if dest.exists() or dest.suffix != ".py":
-            raise UserError(f"{dest}: name a new .py file, or a folder (an existing file is never overwritten)")
-        dest.write_text(clean_script())
-        print(f"wrote {dest}: run it with `python {dest.name} --help`")
+        copy_script(args.dest)
         return
     if args.command == "course-map":
         if not course_notebooks():
