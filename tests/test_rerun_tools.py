@@ -71,6 +71,32 @@ def test_shard_run_again_after_its_source_changed_holds_exactly_the_source_and_k
     assert write_shards(src, out, shard_mb=SHARD_MB, log=lambda line: None)["written"] == 0
 
 
+def test_shard_run_again_with_other_presizing_says_why_it_rebuilds_and_a_missing_source_names_the_argument(
+    tmp_path, capsys
+):
+    src = make_image_folder(tmp_path / "src", classes=2, train_per_class=4, val_per_class=2)
+    out = tmp_path / "shards"
+    first = write_shards(src, out, shard_mb=SHARD_MB, log=lambda line: None)
+    lines = []
+    again = write_shards(src, out, shard_mb=SHARD_MB, log=lines.append, max_side=8)
+    assert again["rebuilt"] == again["written"] == first["shards"], again
+    assert f"{first['shards']} made with another --max_side or --jpeg_quality (rebuilt)" in lines[-1], lines
+    assert "their images or labels changed" not in lines[-1], "the images did not change, the settings did"
+    capsys.readouterr()  # the progress lines of the runs above
+    for missing, what in [
+        (tmp_path / "nowhere", "does not exist"),
+        (src / "train" / "class_00" / "0000.jpg", "is not a folder"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            data_tools.main(["shard", str(missing), str(tmp_path / "other")])
+        assert exit_.value.code == 2
+        expected = (
+            f"python -m tutorial_lib.data: error: SRC {missing} {what}: give the folder that holds train/ and val/"
+        )
+        assert capsys.readouterr().err.strip() == expected
+    assert not (tmp_path / "other").exists()
+
+
 # --- item 13: a SIGTERM while the process exits ----------------------------------------------------------------
 
 

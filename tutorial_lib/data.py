@@ -427,8 +427,9 @@ def _source_record(samples: Sequence[tuple[str, int]], stats: Sequence[os.stat_r
 
 def _shard_state(path: Path, rows: int, schema, source: str) -> str:
     """The shard at `path` is "complete" if it holds `rows` rows written with `schema` (pre-sizing settings included,
-    its counts aside) from `source` (`_source_record`), "changed" if it is a readable shard of something else (an
-    earlier state of the source, other settings), "missing" if it is absent or damaged."""
+    its counts aside) from `source` (`_source_record`), "resized" if it was written with other pre-sizing settings,
+    "changed" if it is a readable shard of something else (an earlier state of the source), "missing" if it is absent
+    or damaged."""
     import pyarrow.parquet as pq
 
     if not path.is_file():
@@ -440,6 +441,8 @@ def _shard_state(path: Path, rows: int, schema, source: str) -> str:
         same = footer.num_rows == rows and found.with_metadata(metadata).equals(schema, True)
     except (OSError, ValueError):  # a damaged file (pyarrow.ArrowInvalid is a ValueError)
         return "missing"
+    if (found.metadata or {}).get(PRESIZE_KEY.encode()) != (schema.metadata or {}).get(PRESIZE_KEY.encode()):
+        return "resized"  # --max_side or --jpeg_quality given, dropped or changed
     return "complete" if same and (footer.metadata or {}).get(SOURCE_KEY.encode()) == source.encode() else "changed"
 
 
@@ -499,13 +502,14 @@ def write_shards(
         )
     states = [_shard_state(out / name, b - a, schema, record) for *_, (a, b), name, record in plans]
     todo = [plan for plan, state in zip(plans, states) if state != "complete"]
-    changed = states.count("changed")  # shards of an earlier state of the source (or of other settings): rebuilt
+    changed, resized = states.count("changed"), states.count("resized")  # shards of an earlier source or settings
     needed = sum(sum(sizes[a:b]) for _, _, _, sizes, (a, b), *_ in todo)
     log(
         f"{shown_path(root)}: {len(train)} train + {len(val)} val images, {len(classes)} classes → "
         f"{len(plans)} shards of about "
         f"{shard_mb:g} MB in {out}; {len(plans) - len(todo)} already complete, "
         + (f"{changed} out of date (their images or labels changed since: rebuilt), " if changed else "")
+        + (f"{resized} made with another --max_side or --jpeg_quality (rebuilt), " if resized else "")
         + f"{format_size(needed, smallest='MB')} to write"  # in the unit of the progress lines that follow
     )
     to_write = needed  # the bytes to read, written as they are unless pre-sized
@@ -558,7 +562,7 @@ def write_shards(
             "delete them and run again"
         )
     done = {**counts, "classes": len(classes), "shards": len(plans), "written": len(todo), "out": str(out)}
-    done |= {"rebuilt": changed} if changed else {}  # of `written`: shards out of date, rewritten
+    done |= {"rebuilt": changed + resized} if changed + resized else {}  # of `written`: shards out of date, rewritten
     return {**done, **({"presized": {**settings, **presized}} if settings else {})}
 
 # %% ../notebooks/07b_preparing_imagenet.ipynb #deac18a0
@@ -873,6 +877,9 @@ def run_command(args: argparse.Namespace) -> int | None:
     unreadable one, a malformed mapping or a full disk is a `UserError` (one line, exit status 2)."""
     if args.command == "shard" and args.jpeg_quality and not args.max_side:
         raise UserError("--jpeg_quality applies to re-encoded images: give --max_side too")
+    if args.command == "shard" and not Path(args.src).is_dir():
+        what = "is not a folder" if Path(args.src).exists() else "does not exist"
+        raise UserError(f"SRC {args.src} {what}: give the folder that holds train/ and val/")
     if args.command == "shard" and Path(args.out).resolve().is_relative_to(Path(args.src).resolve()):
         raise UserError(
             f"{args.out} is inside {args.src}: its shards would become part of the data; write them elsewhere"
