@@ -432,6 +432,30 @@ def test_a_mid_epoch_checkpoint_resumed_with_another_batch_size_or_model_is_refu
 
 
 @pytest.mark.slow
+def test_a_resume_with_other_optimizer_settings_is_refused_in_one_line_before_anything_changes(tmp_path, capsys):
+    """load_state brings back the saved learning rate, momentum and weight decay (the flags given now were lost), and
+    a weight-decay switch changes the parameter groups (load_state's ValueError, a traceback): both refused."""
+    data = subset(tmp_path / "data", 4, 2)
+    common = dict(**SMALL, path_to_data=data, working_directory=tmp_path, experiment_name="opt")
+    run_in_process(**common)
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "opt").rglob("*"))
+    err = refused(capsys, **{**common, "epochs": 2, "learning_rate": 0.05}, resume_from_checkpoint="latest")
+    assert "step_000000005 was saved with --learning_rate 0.1: give the same, or another --experiment_name" in err, err
+    capsys.readouterr()
+    argv = [*flags(**{"cpu": True, "log_with": "none", **common, "epochs": 2}), "--resume_from_checkpoint", "latest"]
+    from accelerate.state import AcceleratorState, GradientState
+
+    with pytest.raises(SystemExit) as exit_:
+        simple_train.main([*argv, "--no-norm_weight_decay"])
+    AcceleratorState._reset_state(reset_partial_state=True)  # as run_in_process does
+    GradientState._reset_state()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "--norm_weight_decay True" in err, err
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "opt").rglob("*")) == before
+    assert run_in_process(**{**common, "epochs": 2}, resume_from_checkpoint="latest")["epoch"] == 1
+
+
+@pytest.mark.slow
 def test_latest_skips_a_checkpoint_that_save_state_did_not_finish(tmp_path, capsys):
     data = subset(tmp_path / "data", 4, 2)
     common = dict(**SMALL, path_to_data=data, working_directory=tmp_path, experiment_name="torn")
