@@ -569,13 +569,15 @@ def test_a_second_run_at_once_is_refused_and_a_killed_runs_lock_is_taken_over(tm
                 "path_to_data": data,
                 "working_directory": tmp_path / "runs",
                 "experiment_name": "busy",
-                "epochs": 1,
+                "epochs": 200,
+                "stop_after_steps": 1,  # reached already: the resume takes the folder, trains nothing, ends
                 "resume_from_checkpoint": "latest",
             }
         ),
         timeout=180,
     )
     assert third.returncode == 0, third.stderr
+    assert "--stop_after_steps 1 reached" in third.stdout, third.stdout
 
 
 # --- resume does what the command line says ---------------------------------------------------------

@@ -160,7 +160,7 @@ def auto_mixed_precision(capability: tuple[int, int] | None) -> tuple[str, str]:
     if capability is None:
         return (
             "no",
-            "no GPU: fp32 (Accelerate applies no fp16 autocast on a CPU, and without bf16 matrix units bf16 only slows it)",
+            "no GPU: fp32 (Accelerate has no fp16 autocast on a CPU; without bf16 matrix units bf16 only slows it)",
         )
     version = f"compute capability {capability[0]}.{capability[1]}"
     if tuple(capability) >= (8, 0):  # Ampere and newer have bf16 tensor cores

@@ -468,7 +468,7 @@ class TrainState:
     partial_train: dict = dataclasses.field(default_factory=dict)  # train metrics of `epoch` before a mid-epoch save
     nonfinite_skipped: int = 0  # optimizer steps skipped for a NaN/Inf loss (--on_nonfinite_loss skip)
     nonfinite_in_a_row: int = 0  # ... of them in a row, up to the last step
-    layout: list = dataclasses.field(default_factory=list)  # [processes, batch_size, accumulation] of batches_done
+    layout: list = dataclasses.field(default_factory=list)  # what ordered batches_done: [processes, batch, accum, ...]
     skipped_files: int = 0  # unreadable images skipped (--on_bad_file skip), counted each time met
     bad_files: list = dataclasses.field(default_factory=list)  # ... and their names, each once
 
@@ -537,7 +537,8 @@ def resume_state(
     """`--resume_from_checkpoint` (a folder or `latest`): restore the checkpoint into the prepared objects and
     `state`; None when there is none. Refuses another model's (`expect`; tensor shapes too, given the unwrapped
     `model` and the `optimizer`), a `train_state.json` with other keys, and a mid-epoch one saved with another
-    `layout` (what decides the order of the batches; `layout_names` says what each value is). Every process calls it; a fresh run gets its id here."""
+    `layout` (what decides the order of the batches; `layout_names` says what each value is). Every process calls it;
+    a fresh run gets its id here."""
     from accelerate.utils import broadcast_object_list
 
     folder_run = folder_run_id(run_dir)  # the run this folder belongs to: `latest` resumes only it
