@@ -12,6 +12,7 @@ import ast
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -534,6 +535,41 @@ def test_an_experiment_name_that_leaves_the_working_directory_is_refused_before_
     data = subset(tmp_path / "data", 1, 1)
     err = refused(capsys, **SMALL, path_to_data=data, working_directory=tmp_path / "runs", experiment_name=name)
     assert "--experiment_name" in err and not (tmp_path / "runs").exists() and not (tmp_path / "escape").exists()
+
+
+def test_a_working_directory_that_is_a_file_is_one_line_naming_it_and_the_file_stays(tmp_path, capsys):
+    data = subset(tmp_path / "data", 1, 1)
+    (tmp_path / "notes.txt").write_text("mine")
+    err = refused(capsys, **SMALL, path_to_data=data, working_directory=tmp_path / "notes.txt")
+    assert "Not a directory" in err and "notes.txt" in err, err
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.slow
+def test_a_run_that_ended_leaves_its_folder_free_while_a_data_worker_it_forked_still_runs(tmp_path):
+    """A run's data workers are forked while it holds its folder's lock, so they hold the lock's file open too; a
+    killed run leaves them running for seconds (until they see their parent gone). The lock is the run's own
+    process's: the resume right after the kill takes the folder, and its run id, at once."""
+    data = subset(tmp_path / "data", 1, 1)
+    argv = flags(**SMALL, path_to_data=data, working_directory=tmp_path, experiment_name="job")
+    pid_file = tmp_path / "worker.pid"
+    run = TrainingProcess(["claim", pid_file, *argv], tmp_path / "claim", launcher="fork", module="simple_train_runs")
+    done = run.result(120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for _ in range(300):  # the child writes its pid right after the fork
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.1)
+    worker = int(pid_file.read_text())
+    try:
+        os.kill(worker, 0)  # still running, the lock's file open
+        first = (tmp_path / "job" / "run_id").read_text()
+        claim = simple_train.claim_folder(simple_train.get_args_parser().parse_args(argv), tmp_path / "job", 8)
+        assert claim[0] is None, claim[0]  # not "in use by another run"
+        claim[3].close()
+        assert claim[1] == first, (claim[1], first)  # the same run's folder
+    finally:
+        os.kill(worker, signal.SIGKILL)
 
 
 @pytest.mark.slow

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from accelerate import Accelerator, skip_first_batches
 from accelerate.utils import broadcast_object_list, set_seed
 from torch import nn
@@ -81,7 +80,7 @@ def build_model(name: str, num_classes: int, zero_init_residual: bool = False) -
     """A torchvision classifier, freshly initialised, with a head of `num_classes` outputs."""
     extra = {"zero_init_residual": True} if zero_init_residual else {}  # ResNets only: each block starts as identity
     # fixed (08b): the video put an nn.Linear(512, ...) head on ResNet50, whose features have 2048 channels
-    return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **extra)
+    return models.get_model(name, weights=None, num_classes=num_classes, **extra)
 
 
 def param_groups(model: nn.Module, args) -> list[dict]:
@@ -222,10 +221,10 @@ def claim_folder(args, run_dir: Path, batch: int) -> list:
     run_dir.mkdir(parents=True, exist_ok=True)  # fixed (06b): the video never made it, and crashed after epoch 1
     lock = open(run_dir / "run_id", "a+")  # one run per folder: this file holds its id
     try:  # one process tree per folder: two at once overwrite each other's files (unlocked when the process ends)
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # lockf, not flock: the data workers it forks hold no lock
     except BlockingIOError:
         return [f"{run_dir} is in use by another run: wait for it, or choose another --experiment_name"]
-    owner = (run_dir / "run_id").read_text()
+    owner = os.pread(lock.fileno(), 64, 0).decode()  # read through `lock`: closing another file of it unlocks it
     kept = (run_dir / "metrics.jsonl").is_file() or any((run_dir / "checkpoints").glob("step_*"))  # its results
     for folder in sorted((run_dir / "checkpoints").glob("step_*"), reverse=True) if resume == "latest" else []:
         if not completed(folder):  # `latest`: this run's newest checkpoint that save_state finished
@@ -242,8 +241,9 @@ def claim_folder(args, run_dir: Path, batch: int) -> list:
     changed = [f"--{k} {v}" for k, v in done.get("flags", {}).items() if now[k] != v]
     if changed:  # its weights would not fit, or load_state would silently bring back the saved optimizer settings
         return [f"{checkpoint} was saved with {', '.join(changed)}: give the same, or another --experiment_name"]
-    (run_dir / "run_id").write_text(run_id := done.get("run") or owner or os.urandom(4).hex())  # the folder's run
-    return [None, run_id, checkpoint, lock]
+    if not owner:  # a new folder: it becomes this run's (written through `lock` too)
+        print(owner := done.get("run") or os.urandom(4).hex(), file=lock, end="", flush=True)
+    return [None, owner, checkpoint, lock]
 
 
 def build_loaders(parser, args) -> tuple:
@@ -296,15 +296,15 @@ def main(argv: list[str] | None = None) -> dict:
         log_with=None if args.log_with == "none" else args.log_with,
     )
     claim = [None] * 4  # paths, the folder's lock, the checkpoint: the main process decides; all resume its choice
-    if accelerator.is_main_process:
-        claim = (claim_folder(args, run_dir, args.batch_size * accelerator.num_processes) + claim)[:4]
-    error, run_id, checkpoint = broadcast_object_list(claim[:3])
-    if error:  # one line, said by the main process; a launcher stops every process when one ends, so all wait for it
+    try:  # an OSError below (a --working_directory that is a file, an unreadable image, ...): one line, exit 2
         if accelerator.is_main_process:
-            print(f"{parser.prog}: error: {error}", file=sys.stderr, flush=True)
-        accelerator.wait_for_everyone()
-        parser.exit(2)
-    try:
+            claim = (claim_folder(args, run_dir, args.batch_size * accelerator.num_processes) + claim)[:4]
+        error, run_id, checkpoint = broadcast_object_list(claim[:3])
+        if error:  # said by the main process; a launcher stops all processes when one ends, so all wait for it
+            if accelerator.is_main_process:
+                print(f"{parser.prog}: error: {error}", file=sys.stderr, flush=True)
+            accelerator.wait_for_everyone()
+            parser.exit(2)
         set_seed(args.seed)  # the same initial weights on every process
         train_ds, order, train_loader, val_loader = build_loaders(parser, args)
         model = build_model(args.model, args.num_classes, args.zero_init_residual)
