@@ -556,12 +556,13 @@ def test_a_run_that_ended_leaves_its_folder_free_while_a_data_worker_it_forked_s
     run = TrainingProcess(["claim", pid_file, *argv], tmp_path / "claim", launcher="fork", module="simple_train_runs")
     done = run.result(120)
     assert done.returncode == 0, done.stderr[-3000:]
-    for _ in range(300):  # the child writes its pid right after the fork
-        if pid_file.exists() and pid_file.read_text():
-            break
-        time.sleep(0.1)
-    worker = int(pid_file.read_text())
+    worker = None
     try:
+        for _ in range(300):  # the child writes its pid right after the fork
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.1)
+        worker = int(pid_file.read_text())
         os.kill(worker, 0)  # still running, the lock's file open
         first = (tmp_path / "job" / "run_id").read_text()
         claim = simple_train.claim_folder(simple_train.get_args_parser().parse_args(argv), tmp_path / "job", 8)
@@ -569,7 +570,8 @@ def test_a_run_that_ended_leaves_its_folder_free_while_a_data_worker_it_forked_s
         claim[3].close()
         assert claim[1] == first, (claim[1], first)  # the same run's folder
     finally:
-        os.kill(worker, signal.SIGKILL)
+        if worker:
+            os.kill(worker, signal.SIGKILL)
 
 
 @pytest.mark.slow

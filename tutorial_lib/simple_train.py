@@ -222,7 +222,7 @@ def claim_folder(args, run_dir: Path, batch: int) -> list:
     lock = open(run_dir / "run_id", "a+")  # one run per folder: this file holds its id
     try:  # one process tree per folder: two at once overwrite each other's files (unlocked when the process ends)
         fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # lockf, not flock: the data workers it forks hold no lock
-    except BlockingIOError:
+    except (BlockingIOError, PermissionError):  # EAGAIN or EACCES, as the system says it
         return [f"{run_dir} is in use by another run: wait for it, or choose another --experiment_name"]
     owner = os.pread(lock.fileno(), 64, 0).decode()  # read through `lock`: closing another file of it unlocks it
     kept = (run_dir / "metrics.jsonl").is_file() or any((run_dir / "checkpoints").glob("step_*"))  # its results
