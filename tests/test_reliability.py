@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torchvision
@@ -535,7 +536,9 @@ def test_latest_resumes_only_checkpoints_of_the_folders_own_run(tmp_path, data, 
 
 
 @pytest.mark.slow
-def test_a_second_run_at_once_is_refused_and_a_killed_runs_lock_is_taken_over(tmp_path, data):
+def test_a_second_run_at_once_is_refused_and_a_killed_runs_lock_is_taken_over_while_its_data_worker_lives(
+    tmp_path, data
+):
     flags = as_flags(
         {
             **TINY,
@@ -544,9 +547,10 @@ def test_a_second_run_at_once_is_refused_and_a_killed_runs_lock_is_taken_over(tm
             "experiment_name": "busy",
             "epochs": 200,
             "checkpoint_every_steps": 2,
+            "num_workers": 1,  # a data loader worker, forked while the run holds its lock
         }
     )
-    first = TrainingProcess(flags, tmp_path / "logs" / "first", launcher="fork")
+    first = TrainingProcess(flags, tmp_path / "logs" / "first", launcher="python")  # as `tutorial-train` starts
     try:
         lock = tmp_path / "runs" / "busy" / ".run.lock"
         deadline = time.time() + 120
@@ -559,23 +563,35 @@ def test_a_second_run_at_once_is_refused_and_a_killed_runs_lock_is_taken_over(tm
             f"{tmp_path / 'runs' / 'busy'} is in use by another run ({lock.read_text()}): "
             "wait for it to end, or give this run another --experiment_name",
         )
+        workers = []
+        while not workers and first.poll() is None and time.time() < deadline:
+            workers = psutil.Process(first.pid).children()
+            time.sleep(0.05)
+        assert workers, "the run should have forked its data loader worker"
+        for worker in workers:  # a worker outlives its killed run by up to seconds: here until the resume is done
+            worker.suspend()
     finally:
-        first.kill()  # SIGKILL: its lock file stays behind, its lock does not
+        first.kill()  # SIGKILL: its lock file stays behind, its lock does not, even with its worker still alive
     assert lock.exists()
-    third = run_cli(
-        as_flags(
-            {
-                **TINY,
-                "path_to_data": data,
-                "working_directory": tmp_path / "runs",
-                "experiment_name": "busy",
-                "epochs": 200,
-                "stop_after_steps": 1,  # reached already: the resume takes the folder, trains nothing, ends
-                "resume_from_checkpoint": "latest",
-            }
-        ),
-        timeout=180,
-    )
+    try:
+        assert all(worker.is_running() for worker in workers)
+        third = run_cli(
+            as_flags(
+                {
+                    **TINY,
+                    "path_to_data": data,
+                    "working_directory": tmp_path / "runs",
+                    "experiment_name": "busy",
+                    "epochs": 200,
+                    "stop_after_steps": 1,  # reached already: the resume takes the folder, trains nothing, ends
+                    "resume_from_checkpoint": "latest",
+                }
+            ),
+            timeout=180,
+        )
+    finally:
+        for worker in workers:
+            worker.kill()
     assert third.returncode == 0, third.stderr
     assert "--stop_after_steps 1 reached" in third.stdout, third.stdout
 

@@ -715,6 +715,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'tutorial_lib.runs.RunLock': ('run_safety.html#runlock', 'tutorial_lib/runs.py'),
                                    'tutorial_lib.runs.RunLock.__init__': ('run_safety.html#runlock.__init__', 'tutorial_lib/runs.py'),
                                    'tutorial_lib.runs.RunLock.acquire': ('run_safety.html#runlock.acquire', 'tutorial_lib/runs.py'),
+                                   'tutorial_lib.runs.RunLock.forget_in_child': ( 'run_safety.html#runlock.forget_in_child',
+                                                                                  'tutorial_lib/runs.py'),
                                    'tutorial_lib.runs.RunLock.release': ('run_safety.html#runlock.release', 'tutorial_lib/runs.py'),
                                    'tutorial_lib.runs.StopAtOnce': ('run_safety.html#stopatonce', 'tutorial_lib/runs.py'),
                                    'tutorial_lib.runs.StopRequest': ('run_safety.html#stoprequest', 'tutorial_lib/runs.py'),

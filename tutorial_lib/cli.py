@@ -795,7 +795,7 @@ def run_command(args: argparse.Namespace) -> None:
         print(f"{len(seconds)} notebooks, {sum(seconds.values()) / 60:.1f} min in all")
         return
     if args.command == "stale-outputs":
-        paths = course_notebooks() + sorted(Path("notebooks/solutions").glob(COURSE_NOTEBOOKS))
+        paths = course_notebooks() + course_notebooks("notebooks/solutions")
         if not paths:
             raise UserError("no notebooks/NN_*.ipynb here: run it from the project folder")
         stale = stale_outputs(paths)

@@ -3,6 +3,7 @@
 # %% ../notebooks/06b_run_safety.ipynb #648657f3
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -46,7 +47,11 @@ class RunLock:
     """The main process's exclusive hold on a run folder: an OS lock (`flock`) on `<run>/.run.lock`.
 
     The kernel releases it when the process ends, killed or not, so a dead run's lock file is simply
-    taken over; the file only says who holds it, for the error message of a second run."""
+    taken over; the file only says who holds it, for the error message of a second run. A `flock` belongs to the
+    open file, which a forked child (a data loader worker) shares: the child closes its copy at once
+    (`forget_in_child`), or workers that outlive a killed run by a few seconds would keep its folder locked."""
+
+    held = weakref.WeakSet()  # this process's held locks, for forget_in_child
 
     def __init__(self, run_dir: str | os.PathLike):
         self.path, self.fd = Path(run_dir) / RUN_LOCK, None
@@ -71,12 +76,26 @@ class RunLock:
             fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0
         )
         self.fd = fd
+        RunLock.held.add(self)
         return before
 
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)  # closing the file releases the lock
             self.fd = None
+
+    @classmethod
+    def forget_in_child(cls) -> None:
+        """Run in every forked child: close its copies of the held locks' files; the parent keeps its locks."""
+        for lock in list(cls.held):
+            if lock.fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(lock.fd)
+                lock.fd = None
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=RunLock.forget_in_child)
 
 # %% ../notebooks/06b_run_safety.ipynb #4d4bbb8a
 def run_outputs(run_dir: str | os.PathLike) -> list[str]:
