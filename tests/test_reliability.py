@@ -7,6 +7,7 @@ loading (a planted pickle payload is refused and never runs), atomic checkpoints
 W&B without credentials or network; one run per folder, resumes that do what the command line says, flag checks
 before any data is read, SIGTERM, and a full disk. (A dying worker in a 2-process launch is notebook 11's check.)"""
 
+import contextlib
 import json
 import os
 import shutil
@@ -551,8 +552,9 @@ def test_a_second_run_at_once_is_refused_and_a_killed_runs_lock_is_taken_over_wh
         }
     )
     first = TrainingProcess(flags, tmp_path / "logs" / "first", launcher="python")  # as `tutorial-train` starts
+    run, workers = tmp_path / "runs" / "busy", []
     try:
-        lock = tmp_path / "runs" / "busy" / ".run.lock"
+        lock = run / ".run.lock"
         deadline = time.time() + 120
         while not (lock.exists() and lock.read_text().startswith("pid")) and time.time() < deadline:
             time.sleep(0.1)
@@ -560,21 +562,19 @@ def test_a_second_run_at_once_is_refused_and_a_killed_runs_lock_is_taken_over_wh
         second = run_cli(flags + ["--resume_from_checkpoint", "latest"], timeout=120)
         assert_user_error(
             second,
-            f"{tmp_path / 'runs' / 'busy'} is in use by another run ({lock.read_text()}): "
+            f"{run} is in use by another run ({lock.read_text()}): "
             "wait for it to end, or give this run another --experiment_name",
         )
-        workers = []
-        while not workers and first.poll() is None and time.time() < deadline:
-            workers = psutil.Process(first.pid).children()
-            time.sleep(0.05)
-        assert workers, "the run should have forked its data loader worker"
+        deadline = time.time() + 120
+        while latest_checkpoint(run) is None and first.poll() is None and time.time() < deadline:
+            time.sleep(0.05)  # the resume below continues from it (its training loader's worker runs by then)
+        assert first.poll() is None and latest_checkpoint(run) is not None, "the run should be running, and have saved"
+        workers = psutil.Process(first.pid).children()
+        assert workers, "the run should have forked its training loader's worker"
         for worker in workers:  # a worker outlives its killed run by up to seconds: here until the resume is done
             worker.suspend()
-    finally:
         first.kill()  # SIGKILL: its lock file stays behind, its lock does not, even with its worker still alive
-    assert lock.exists()
-    try:
-        assert all(worker.is_running() for worker in workers)
+        assert lock.exists() and all(worker.is_running() for worker in workers)
         third = run_cli(
             as_flags(
                 {
@@ -590,8 +590,10 @@ def test_a_second_run_at_once_is_refused_and_a_killed_runs_lock_is_taken_over_wh
             timeout=180,
         )
     finally:
+        first.kill()
         for worker in workers:
-            worker.kill()
+            with contextlib.suppress(psutil.Error):
+                worker.kill()
     assert third.returncode == 0, third.stderr
     assert "--stop_after_steps 1 reached" in third.stdout, third.stdout
 
