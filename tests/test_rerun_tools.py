@@ -141,15 +141,21 @@ def test_sigterms_while_a_run_exits_leave_it_the_status_its_training_decided(tmp
     143 with its checkpoint (before: killed by a signal landing in Python's shutdown)."""
     data = make_image_folder(tmp_path / "data", classes=3, train_per_class=8, val_per_class=2)
     # every millisecond: between the training's end and Python's shutdown, where no Python handler runs any more, a
-    # process that ends quickly leaves a few milliseconds; signals 20 ms apart missed them in one suite run of five
-    done, status, out, err, after_status = sigterms_until_exit(
-        tmp_path, "complete", {**CASE_RUN, "path_to_data": data}, first="best val top-1", every=0.001
-    )
-    assert (done, status, after_status) == (0, 0, True), (done, status, after_status, err[-3000:])
-    assert "Traceback" not in err and "stopped at optimizer step" not in out, err[-3000:]
+    # process that ends quickly leaves a few milliseconds; signals 20 ms apart missed them in one suite run of five.
+    # Even so, a test process that a busy machine leaves unscheduled for longer can miss them: once in the nine suite
+    # runs measured since. So up to three runs: each must end 0 with its own status and its weights, and one of them
+    # must show that a signal reached the script itself, which said so.
     late = "tutorial-train: SIGTERM after the training was over: nothing to stop, finishing"
-    assert late in err.splitlines(), err[-3000:]  # the signal reached the script itself, which said so
-    assert (tmp_path / "runs" / "complete" / "model.safetensors").exists()
+    for attempt in range(3):
+        done, status, out, err, after_status = sigterms_until_exit(
+            tmp_path, f"complete{attempt}", {**CASE_RUN, "path_to_data": data}, first="best val top-1", every=0.001
+        )
+        assert (done, status, after_status) == (0, 0, True), (done, status, after_status, err[-3000:])
+        assert "Traceback" not in err and "stopped at optimizer step" not in out, err[-3000:]
+        assert (tmp_path / "runs" / f"complete{attempt}" / "model.safetensors").exists()
+        if late in err.splitlines():
+            break
+    assert late in err.splitlines(), err[-3000:]
 
     long = {**CASE_RUN, "epochs": 40, "path_to_data": data}
     done, status, out, err, _ = sigterms_until_exit(tmp_path, "stopped", long, first="    0 ")
