@@ -536,6 +536,46 @@ def test_latest_resumes_only_checkpoints_of_the_folders_own_run(tmp_path, data, 
     ), done.stderr
 
 
+# A process that takes a run folder's lock, drops it without `release` (its file stays open: the folder stays locked
+# until the process ends), forks a child that outlives it, prints the child's pid and ends.
+DROPPED_LOCK = """
+import gc, os, sys, time
+from tutorial_lib.runs import RunLock
+RunLock(sys.argv[1]).acquire()
+gc.collect()
+child = os.fork()
+if child == 0:
+    quiet = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(quiet, fd)  # the test's pipes stay with the parent alone
+    time.sleep(60)
+    os._exit(0)
+print(child, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_lock_dropped_without_release_is_not_kept_by_a_forked_child_once_its_process_ends(tmp_path):
+    """Forked children (data loader workers) close their copies of every lock the process took, also of one it
+    dropped without `release`: when the process ends, its folder is free at once, while the child still lives."""
+    from tutorial_lib.runs import RunLock
+
+    folder = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-c", DROPPED_LOCK, str(folder)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    child = int(done.stdout)
+    try:
+        assert psutil.pid_exists(child), "the forked child ended before the check"
+        lock = RunLock(folder)
+        lock.acquire()  # RunFolderError if the child still held the file
+        lock.release()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+
+
 @pytest.mark.slow
 def test_a_second_run_at_once_is_refused_and_a_killed_runs_lock_is_taken_over_while_its_data_worker_lives(
     tmp_path, data

@@ -631,6 +631,28 @@ def test_mid_epoch_resume_with_another_order_of_batches_is_refused(tmp_path, cha
 
 
 @pytest.mark.slow
+def test_mid_epoch_resume_needs_as_many_training_images_wherever_the_data_folder_is(tmp_path):
+    """A mid-epoch checkpoint's batches are positions in a shuffle of the training split: a folder with one image more
+    is refused in one line (its shuffle puts other images at those positions); a copy of the folder at another path
+    resumes and finishes the epoch."""
+    import shutil
+
+    from tutorial_lib.processes import make_image_folder
+
+    data = make_image_folder(tmp_path / "data", classes=3, train_per_class=8, val_per_class=2)  # 24: 6 batches of 4
+    options = dict(batch_size=4, epochs=1, max_train_samples=None, max_val_samples=None)
+    run(tmp_path, "moved", **options, path_to_data=str(data), stop_after_steps=2)
+    bigger = shutil.copytree(data, tmp_path / "bigger")
+    first = sorted((bigger / "train").glob("*/*"))[0]
+    shutil.copy(first, first.with_name("one_more" + first.suffix))
+    with pytest.raises(CheckpointError, match=r"training images\) = \(.*, 24\), not \(.*, 25\): resume with the same"):
+        run(tmp_path, "moved", **options, path_to_data=str(bigger), resume_from_checkpoint="latest")
+    copy = shutil.copytree(data, tmp_path / "copy")
+    resumed = run(tmp_path, "moved", **options, path_to_data=str(copy), resume_from_checkpoint="latest")
+    assert resumed["optimizer_steps"] == 6 and not resumed["stopped"], resumed
+
+
+@pytest.mark.slow
 def test_a_resume_says_what_it_cannot_do_and_records_what_it_changed(tmp_path):
     """--ema added, --epochs below the epochs done: one line each; --stop_after_steps already reached trains no
     step more; an epoch-end resume with another --seed and --max_grad_norm records both in config.json."""

@@ -51,7 +51,9 @@ class RunLock:
     open file, which a forked child (a data loader worker) shares: the child closes its copy at once
     (`forget_in_child`), or workers that outlive a killed run by a few seconds would keep its folder locked."""
 
-    held = weakref.WeakSet()  # this process's held locks, for forget_in_child
+    # this process's held locks, for forget_in_child: a plain set, so that a lock dropped without `release` (its file
+    # still open, the lock still held until the process ends) is still closed in forked children
+    held: set = set()
 
     def __init__(self, run_dir: str | os.PathLike):
         self.path, self.fd = Path(run_dir) / RUN_LOCK, None
@@ -81,8 +83,10 @@ class RunLock:
 
     def release(self) -> None:
         if self.fd is not None:
-            os.close(self.fd)  # closing the file releases the lock
-            self.fd = None
+            # forgotten before it is closed: a fork from another thread in between must not close the number again
+            fd, self.fd = self.fd, None
+            RunLock.held.discard(self)
+            os.close(fd)  # closing the file releases the lock
 
     @classmethod
     def forget_in_child(cls) -> None:

@@ -79,6 +79,7 @@ from tutorial_lib.launching import (
 )
 from tutorial_lib.loading import (
     EpochSeededDataset,
+    base_dataset,
     build_datasets,
     build_loaders,
     gather_skips,
@@ -445,6 +446,7 @@ def resume_run(run: Run) -> None:
     # what decides which batches a mid-epoch checkpoint has already trained: the same, or that resume is refused
     layout = [accelerator.num_processes, args.batch_size, args.gradient_accumulation_steps]
     layout += [args.seed, args.max_train_samples]
+    layout += [len(base_dataset(run.train_loader))]  # the training split before --max_train_samples draws from it
     path = resume_state(
         accelerator,
         args.resume_from_checkpoint,
@@ -530,7 +532,14 @@ WATCHED_FLAGS = (
     "seed",
     "mixed_precision",
 )
-LAYOUT_NAMES = ("processes", "--batch_size", "--gradient_accumulation_steps", "--seed", "--max_train_samples")
+LAYOUT_NAMES = (
+    "processes",
+    "--batch_size",
+    "--gradient_accumulation_steps",
+    "--seed",
+    "--max_train_samples",
+    "training images",
+)
 
 # %% ../notebooks/08b_production_script.ipynb #e847d187
 def train_and_evaluate(run: Run, logger: MetricsLogger) -> tuple[list[dict], bool]:
