@@ -433,6 +433,23 @@ def test_a_mid_epoch_checkpoint_resumed_with_another_batch_size_or_model_is_refu
 
 
 @pytest.mark.slow
+def test_an_epoch_end_checkpoint_resumed_with_another_batch_layout_or_seed_is_refused(tmp_path, capsys):
+    """The schedule counts optimizer steps: a checkpoint's count read with another number of steps per epoch (another
+    batch size, number of processes or accumulation) would put the learning rate elsewhere in its schedule."""
+    data = subset(tmp_path / "data", 4, 2)
+    common = dict(**SMALL, path_to_data=data, working_directory=tmp_path, experiment_name="layout")
+    run_in_process(**common)
+    for flag, value, saved in [
+        ("batch_size", 4, "--batch_size x processes 8"),
+        ("gradient_accumulation_steps", 2, "--gradient_accumulation_steps 1"),
+        ("seed", 1, "--seed 0"),
+    ]:
+        err = refused(capsys, **{**common, "epochs": 2, flag: value}, resume_from_checkpoint="latest")
+        assert f"step_000000005 was saved with {saved}: give the same, or another --experiment_name" in err, err
+    assert run_in_process(**{**common, "epochs": 2}, resume_from_checkpoint="latest")["epoch"] == 1
+
+
+@pytest.mark.slow
 def test_a_resume_with_other_optimizer_settings_is_refused_in_one_line_before_anything_changes(tmp_path, capsys):
     """load_state brings back the saved learning rate, momentum and weight decay (the flags given now were lost), and
     a weight-decay switch changes the parameter groups (load_state's ValueError, a traceback): both refused."""
@@ -470,6 +487,35 @@ def test_latest_skips_a_checkpoint_that_save_state_did_not_finish(tmp_path, caps
     out = capsys.readouterr().out
     assert "step_000000009" in out and "resumed from" in out and "step_000000005" in out, out
     assert last["epoch"] == 1 and [r["epoch"] for r in rows(tmp_path / "torn")] == [0, 1]
+
+
+class Killed(BaseException):
+    """The end of a process killed where it was: no handler of the script's can catch it."""
+
+
+@pytest.mark.slow
+def test_a_kill_while_done_json_is_written_leaves_latest_a_checkpoint_it_can_read(tmp_path, capsys, monkeypatch):
+    data = subset(tmp_path / "data", 4, 2)
+    common = dict(**SMALL, path_to_data=data, working_directory=tmp_path, experiment_name="killed")
+    run_in_process(**common)
+    write_text = Path.write_text
+
+    def killed_while_writing(path, text, *args, **kwargs):
+        if path.name.startswith("done.json"):  # the file made, its bytes not yet written: the kill comes
+            write_text(path, "")
+            raise Killed
+        return write_text(path, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", killed_while_writing)
+    with pytest.raises(Killed):
+        run_in_process(**{**common, "epochs": 2}, resume_from_checkpoint="latest")
+    monkeypatch.setattr(Path, "write_text", write_text)
+    capsys.readouterr()
+    last = run_in_process(**{**common, "epochs": 2}, resume_from_checkpoint="latest")
+    out = capsys.readouterr().out
+    assert "skipping" in out and "step_000000010" in out, out
+    assert "resumed from" in out and "step_000000005" in out, out
+    assert last["epoch"] == 1 and [r["epoch"] for r in rows(tmp_path / "killed")] == [0, 1]
 
 
 @pytest.mark.slow
@@ -526,6 +572,13 @@ def test_flags_are_checked_when_parsed_finite_and_in_range(flag, value, capsys):
         simple_train.get_args_parser().parse_args(["--path_to_data", ".", f"--{flag}", value])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and f"--{flag}" in err, err
+
+
+def test_a_flag_value_that_is_no_number_of_its_kind_names_the_kind(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        simple_train.get_args_parser().parse_args(["--path_to_data", ".", "--epochs", "1e3"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == "simple_train: error: argument --epochs: invalid int value: '1e3'\n"
 
 
 @pytest.mark.parametrize("name", ["../escape", "", "..", "a/b"])
