@@ -574,6 +574,26 @@ def test_flags_are_checked_when_parsed_finite_and_in_range(flag, value, capsys):
     assert exit_.value.code == 2 and err.count("\n") == 1 and f"--{flag}" in err, err
 
 
+@pytest.mark.parametrize(
+    "flag, refused, span, kept",
+    [
+        ("momentum", "1", "[0, 1)", "0.999"),  # a velocity that never decays
+        ("label_smoothing", "1", "[0, 1)", "0"),  # uniform targets: nothing left to learn
+        ("step_lr_decay", "0", "(0, 1]", "1"),  # a learning rate of 0 after the first decay
+    ],
+)
+def test_a_value_that_leaves_nothing_to_train_is_refused_and_its_neighbour_kept(flag, refused, span, kept, capsys):
+    parser = simple_train.get_args_parser()
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["--path_to_data", ".", f"--{flag}", refused])
+    assert exit_.value.code == 2
+    assert (
+        capsys.readouterr().err
+        == f"simple_train: error: argument --{flag}: expected float in {span}, got '{refused}'\n"
+    )
+    assert getattr(parser.parse_args(["--path_to_data", ".", f"--{flag}", kept]), flag) == float(kept)
+
+
 def test_a_flag_value_that_is_no_number_of_its_kind_names_the_kind(capsys):
     with pytest.raises(SystemExit) as exit_:
         simple_train.get_args_parser().parse_args(["--path_to_data", ".", "--epochs", "1e3"])

@@ -284,8 +284,7 @@ def start_run(accelerator, args, run_dir: Path, checkpoint: Path | None, run_id:
 # %% ../notebooks/08_training_script.ipynb #55d92370
 def main(argv: list[str] | None = None) -> dict:
     """Train, evaluating every epoch and checkpointing as the flags say; return the last epoch's metrics."""
-    parser = get_args_parser()
-    args = parser.parse_args(argv)
+    args = (parser := get_args_parser()).parse_args(argv)
     run_dir = Path(args.working_directory) / args.experiment_name
     accelerator = Accelerator(
         cpu=args.cpu,
@@ -339,12 +338,13 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def within(low: float, high: float = math.inf, kind: type = float):
-    """An argparse `type=`: a finite number in [low, high]. nan, inf, -0.1 are one line now, not NaN weights later."""
+def within(low: float, high: float = math.inf, kind: type = float, but: float = math.nan):
+    """An argparse `type=`: a finite number in [low, high], not `but`: nan, inf, -0.1 are one line, not NaN weights."""
+    span = f"{'(' if but == low else '['}{low}, {high}{')' if but == high else ']'}"  # [0, 1): 1 left out
 
     def parse(text: str):
-        if not (math.isfinite(value := kind(text)) and low <= value <= high):  # kind() failing: argparse says so
-            raise argparse.ArgumentTypeError(f"expected {kind.__name__} in [{low}, {high}], got {text!r}")
+        if not (math.isfinite(value := kind(text)) and low <= value <= high and value != but):
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__} in {span}, got {text!r}")
         return value
 
     parse.__name__ = kind.__name__  # what argparse names when kind() fails: "invalid int value: '1e3'"
@@ -355,7 +355,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     about = "Train an image classifier (ResNet50 on ImageNet by default) with Accelerate."
     batch = "--batch_size is PER PROCESS: global batch = batch_size x gradient_accumulation_steps x processes."
     formatter = argparse.ArgumentDefaultsHelpFormatter
-    COUNT, ONE_AT_MOST, AT_LEAST_0 = within(1, kind=int), within(0, 1), within(0)  # the flags' types
+    COUNT, AT_LEAST_0, ONE_AT_MOST, BELOW_1 = within(1, kind=int), within(0), within(0, 1), within(0, 1, but=1)
     parser = OneLineParser(prog="simple_train", description=about, epilog=batch, formatter_class=formatter)
     add = parser.add_argument_group("the video's flags").add_argument  # its names; defaults: torchvision's V1 recipe
     add("--experiment_name", default="resnet50_imagenet", help="outputs go to <working_directory>/<experiment_name>/")
@@ -368,8 +368,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     add("--gradient_accumulation_steps", type=COUNT, default=1, help="micro-batches per optimizer step")
     add("--learning_rate", type=AT_LEAST_0, default=0.1, help="peak learning rate (0.1 suits a global batch of 256)")
     add("--weight_decay", type=AT_LEAST_0, default=1e-4, help="L2 penalty of SGD")
-    add("--momentum", type=ONE_AT_MOST, default=0.9, help="SGD momentum")
-    add("--step_lr_decay", type=ONE_AT_MOST, default=0.1, help="decay factor of --lr_scheduler step")
+    add("--momentum", type=BELOW_1, default=0.9, help="SGD momentum")  # 1: the velocity never decays
+    add("--step_lr_decay", type=within(0, 1, but=0), default=0.1, help="decay factor of --lr_scheduler step")
     add("--lr_step_size", type=within(0.01), default=30, help="epochs between decays (step)")  # 0: a decay every step
     add("--lr_warmup_start_factor", type=ONE_AT_MOST, default=0.01, help="the warmup starts at lr x this")
     add("--bias_weight_decay", action=argparse.BooleanOptionalAction, default=True, help="decay biases (V1 does)")
@@ -384,7 +384,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add("--model", default="resnet50", choices=models.list_models(models), metavar="CLASSIFIER", help="e.g. resnet18")
     add("--lr_scheduler", choices=["step", "cosine"], default="step", help="after the warmup: step decay or cosine")
     add("--min_crop_scale", type=ONE_AT_MOST, default=0.08, help="smallest area fraction a random crop keeps")
-    add("--label_smoothing", type=ONE_AT_MOST, default=0.0, help="weight of the uniform distribution in the targets")
+    add("--label_smoothing", type=BELOW_1, default=0.0, help="weight of the uniform distribution in the targets")
     add("--zero_init_residual", action="store_true", help="each residual block starts as the identity (ResNets)")
     add("--seed", type=within(0, 9_999_999, int), default=0, help="seeds the weights, order and crops (in 64 bits)")
     add("--cpu", action="store_true", help="train on the CPU even if a GPU is present")
