@@ -42,7 +42,7 @@ class EpochSeeded(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int):
         with torch.random.fork_rng(devices=[]):  # leaves the process's own random state (dropout, ...) alone
-            torch.manual_seed((self.seed * 10_000 + self.epoch) * 100_000_000 + index)
+            torch.default_generator.manual_seed((self.seed * 10_000 + self.epoch) * 100_000_000 + index)  # not CUDA's
             return self.dataset[index]
 
 
