@@ -591,8 +591,11 @@ def test_flags_are_checked_when_parsed_finite_and_in_range(flag, value, capsys):
     "flag, refused, span, kept",
     [
         ("momentum", "1", "[0, 1)", "0.999"),  # a velocity that never decays
-        ("label_smoothing", "1", "[0, 1)", "0"),  # uniform targets: nothing left to learn
-        ("step_lr_decay", "0", "(0, 1]", "1"),  # a learning rate of 0 after the first decay
+        ("label_smoothing", "1", "[0, 1)", "0.999"),  # uniform targets: nothing left to learn
+        ("step_lr_decay", "0", "(0, 1]", "0.001"),  # a learning rate of 0 after the first decay
+        # harmless here, but tutorial-train refuses them: a flag of both scripts takes the same range in both
+        ("lr_warmup_start_factor", "0", "(0, 1]", "0.001"),
+        ("min_crop_scale", "0", "(0, 1]", "0.001"),
     ],
 )
 def test_a_value_that_leaves_nothing_to_train_is_refused_and_its_neighbour_kept(flag, refused, span, kept, capsys):

@@ -355,7 +355,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     about = "Train an image classifier (ResNet50 on ImageNet by default) with Accelerate."
     batch = "--batch_size is PER PROCESS: global batch = batch_size x gradient_accumulation_steps x processes."
     formatter = argparse.ArgumentDefaultsHelpFormatter
-    COUNT, AT_LEAST_0, ONE_AT_MOST, BELOW_1 = within(1, kind=int), within(0), within(0, 1), within(0, 1, but=1)
+    COUNT, AT_LEAST_0, BELOW_1, ABOVE_0 = within(1, kind=int), within(0), within(0, 1, but=1), within(0, 1, but=0)
     parser = OneLineParser(prog="simple_train", description=about, epilog=batch, formatter_class=formatter)
     add = parser.add_argument_group("the video's flags").add_argument  # its names; defaults: torchvision's V1 recipe
     add("--experiment_name", default="resnet50_imagenet", help="outputs go to <working_directory>/<experiment_name>/")
@@ -369,9 +369,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     add("--learning_rate", type=AT_LEAST_0, default=0.1, help="peak learning rate (0.1 suits a global batch of 256)")
     add("--weight_decay", type=AT_LEAST_0, default=1e-4, help="L2 penalty of SGD")
     add("--momentum", type=BELOW_1, default=0.9, help="SGD momentum")  # 1: the velocity never decays
-    add("--step_lr_decay", type=within(0, 1, but=0), default=0.1, help="decay factor of --lr_scheduler step")
+    add("--step_lr_decay", type=ABOVE_0, default=0.1, help="decay factor of --lr_scheduler step")
     add("--lr_step_size", type=within(0.01), default=30, help="epochs between decays (step)")  # 0: a decay every step
-    add("--lr_warmup_start_factor", type=ONE_AT_MOST, default=0.01, help="the warmup starts at lr x this")
+    add("--lr_warmup_start_factor", type=ABOVE_0, default=0.01, help="the warmup starts at lr x this")
     add("--bias_weight_decay", action=argparse.BooleanOptionalAction, default=True, help="decay biases (V1 does)")
     add("--norm_weight_decay", action=argparse.BooleanOptionalAction, default=True, help="decay norm layers (V1 does)")
     add("--max_grad_norm", type=AT_LEAST_0, default=None, help="clip the gradient norm (V1 does not)")
@@ -383,7 +383,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add = parser.add_argument_group("flags the course adds").add_argument
     add("--model", default="resnet50", choices=models.list_models(models), metavar="CLASSIFIER", help="e.g. resnet18")
     add("--lr_scheduler", choices=["step", "cosine"], default="step", help="after the warmup: step decay or cosine")
-    add("--min_crop_scale", type=ONE_AT_MOST, default=0.08, help="smallest area fraction a random crop keeps")
+    add("--min_crop_scale", type=ABOVE_0, default=0.08, help="smallest area fraction a random crop keeps")
     add("--label_smoothing", type=BELOW_1, default=0.0, help="weight of the uniform distribution in the targets")
     add("--zero_init_residual", action="store_true", help="each residual block starts as the identity (ResNets)")
     add("--seed", type=within(0, 9_999_999, int), default=0, help="seeds the weights, order and crops (in 64 bits)")
