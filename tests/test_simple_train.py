@@ -207,11 +207,14 @@ def test_param_groups_exempt_every_norm_layer_and_bias_only_when_asked():
     assert len(v1[1]["params"]) == 0 and len(v1[0]["params"]) == len(list(model.parameters()))
 
 
+def embedded_train_set() -> simple_train.EpochSeeded:
+    """The embedded data's training set as the script loads it, at 16 px."""
+    args = simple_train.get_args_parser().parse_args(["--path_to_data", str(embedded_data_path()), "--img_size", "16"])
+    return simple_train.load_data(args)[0]
+
+
 def test_crops_depend_on_seed_epoch_and_index_only():
-    parser = simple_train.get_args_parser()
-    train_ds, _ = simple_train.load_data(
-        parser.parse_args(["--path_to_data", str(embedded_data_path()), "--img_size", "16"])
-    )
+    train_ds = embedded_train_set()
     first = train_ds[3][0]
     torch.rand(100)  # the process's random state moves: the crop must not
     assert torch.equal(train_ds[3][0], first)
@@ -225,10 +228,7 @@ def test_a_samples_seed_leaves_the_gpus_generator_alone(monkeypatch):
     # 9 us for the CPU's generator alone (measured on the 2-core VM)
     reseeded = []
     monkeypatch.setattr(torch.cuda, "manual_seed_all", reseeded.append)
-    parser = simple_train.get_args_parser()
-    train_ds, _ = simple_train.load_data(
-        parser.parse_args(["--path_to_data", str(embedded_data_path()), "--img_size", "16"])
-    )
+    train_ds = embedded_train_set()
     assert torch.equal(train_ds[3][0], train_ds[3][0]) and reseeded == []
 
 
