@@ -209,6 +209,18 @@ async def browse(base: str, pages: list[str]) -> tuple[dict[str, dict], list[str
             context.set_default_timeout(120_000)  # a loaded machine, TABS pages at once: slow, not broken
             local = (base, "data:", "blob:")
             context.on("request", lambda request: request.url.startswith(local) or outside.add(request.url))
+            # Every page's search worker fetches the site-wide index and builds it (about a quarter of the pages'
+            # CPU): while the pages load, the index comes with its configuration but no documents; the searches
+            # below load the real one.
+            empty_index: dict = {}
+
+            async def without_documents(route):
+                if not empty_index:
+                    index = await (await route.fetch()).json()
+                    empty_index.update(config=index["config"], docs=[])
+                await route.fulfill(json=empty_index)
+
+            await context.route(base + "search/search_index.json", without_documents)
             todo = list(reversed(pages))
 
             async def open_pages():
@@ -226,6 +238,7 @@ async def browse(base: str, pages: list[str]) -> tuple[dict[str, dict], list[str
 
             # pages side by side: each load also waits on the server and on the browser's other processes
             (page, current), *_ = await asyncio.gather(*(open_pages() for _ in range(TABS)))
+            await context.unroute(base + "search/search_index.json", without_documents)
             # a check cell: its code folded, one click shows it
             current["name"] = "notebooks/01_gradient_accumulation/"
             await page.goto(base + current["name"], wait_until="load")
