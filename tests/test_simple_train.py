@@ -240,6 +240,44 @@ def test_a_samples_seed_leaves_the_gpus_generator_alone(monkeypatch):
 # process evaluating the saved weights: 08, section 11. The copy on 2 processes prints once: the last test below.
 
 
+@pytest.mark.parametrize("saved_for", ["wandbs_own_server", "api.wandb.ai"])
+def test_a_key_wandb_login_saved_is_found_and_the_server_wandb_talks_to_is_asked(tmp_path, monkeypatch, saved_for):
+    """The installed wandb's own default server (`wandb login` saves the key under its name), or an older wandb's
+    login under api.wandb.ai: either is a key, and then the server wandb will talk to is asked whether it answers."""
+    import urllib.parse
+
+    import wandb
+
+    server = urllib.parse.urlsplit(wandb.Settings().base_url)  # https://api.forge.coreweave.com in wandb 0.31
+    machine = server.netloc if saved_for == "wandbs_own_server" else saved_for
+    (tmp_path / ".netrc").write_text(f"machine {machine}\n  login user\n  password {'k' * 40}\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    monkeypatch.setenv("HOME", str(tmp_path))  # netrc.netrc() reads ~/.netrc
+    for var in [v for v in os.environ if v.startswith("WANDB_")]:
+        monkeypatch.delenv(var)  # put back afterwards, also WANDB_MODE, which the run sets to offline below
+    asked = []
+
+    def no_answer(address, timeout):
+        asked.append(address)
+        raise OSError("no network here")
+
+    monkeypatch.setattr(simple_train.socket, "create_connection", no_answer)
+
+    class MainProcess:  # what start_run asks of the Accelerator; the trackers are not started here
+        is_main_process = True
+
+        def register_for_checkpointing(self, state):
+            pass
+
+        def init_trackers(self, project, config, init_kwargs):
+            pass
+
+    args = simple_train.get_args_parser().parse_args(["--path_to_data", str(tmp_path)])
+    simple_train.start_run(MainProcess(), args, tmp_path / "run", None, "0123abcd")
+    assert asked == [(server.hostname, server.port or 443)], asked  # a key was found, then its server asked
+    assert os.environ["WANDB_MODE"] == "offline"  # it did not answer: W&B logs offline
+
+
 @pytest.mark.slow
 def test_resume_at_an_epoch_end_and_in_the_middle_of_an_epoch_is_bit_identical(tmp_path):
     data = subset(tmp_path / "data", 10, 3)  # 100 images, batches of 16: 6 optimizer steps per epoch

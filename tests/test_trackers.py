@@ -1,6 +1,7 @@
 """tutorial_lib.trackers: W&B's mode without the network, and an offline run read back from its files."""
 
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -122,3 +123,55 @@ def test_reading_an_offline_wandb_run_stops_at_a_torn_record_and_refuses_other_f
         read_wandb_offline_run(torn)
     with pytest.raises(FileNotFoundError, match="offline-run"):
         read_wandb_offline_run(tmp_path)
+
+
+# --- which server, and which saved key: what the installed wandb itself would use -------------------------
+
+
+def write_netrc(folder: Path, monkeypatch, *machines: str) -> None:
+    netrc_file = folder / "netrc"
+    netrc_file.write_text("".join(f"machine {m}\n  login user\n  password {'k' * 40}\n" for m in machines))
+    netrc_file.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc_file))
+
+
+def test_a_key_wandb_login_saved_for_the_installed_wandbs_own_server_counts(no_wandb_config, monkeypatch):
+    import wandb
+
+    from tutorial_lib.trackers import wandb_server_url
+
+    assert wandb_server_url() == wandb.Settings().base_url  # https://api.forge.coreweave.com in wandb 0.31
+    write_netrc(no_wandb_config, monkeypatch, urlsplit(wandb.Settings().base_url).netloc)  # what `wandb login` writes
+    assert resolve_wandb_mode() == "online"
+
+
+def test_a_login_of_an_older_wandb_counts_for_coreweaves_address_but_not_for_another_server(
+    no_wandb_config, monkeypatch
+):
+    write_netrc(no_wandb_config, monkeypatch, "api.wandb.ai")
+    monkeypatch.setenv("WANDB_BASE_URL", "https://api.forge.coreweave.com")  # wandb reads api.wandb.ai's key there
+    assert wandb_api_key_configured()
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org")  # a server of one's own takes only its own
+    assert not wandb_api_key_configured()
+    write_netrc(no_wandb_config, monkeypatch, "wandb.example.org")
+    assert wandb_api_key_configured()
+
+
+def test_the_server_asked_whether_it_answers_is_the_one_wandb_talks_to(no_wandb_config, monkeypatch):
+    import urllib.request
+
+    import wandb
+
+    from tutorial_lib.trackers import wandb_server_problem
+
+    asked = []
+
+    def answer(request, timeout):
+        asked.append(request.full_url)
+        raise OSError("no network here")
+
+    monkeypatch.setattr(urllib.request, "urlopen", answer)
+    assert "does not answer" in wandb_server_problem(timeout=5)
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org")
+    wandb_server_problem(timeout=5)
+    assert asked == [wandb.Settings().base_url, "https://wandb.example.org"]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import wandb
 from accelerate import Accelerator, skip_first_batches
 from accelerate.utils import broadcast_object_list, set_seed
 from torch import nn
@@ -270,15 +271,15 @@ def start_run(accelerator, args, run_dir: Path, checkpoint: Path | None, run_id:
         accelerator.print(f"resumed from {checkpoint}: epoch {state.epoch}, {state.batches_done} batches into it")
     if args.log_with == "wandb" and accelerator.is_main_process and not os.environ.get("WANDB_MODE"):
         try:  # without a key wandb.init asks for one; without a network it waits 90 s, then fails: log offline instead
-            if not (os.environ.get("WANDB_API_KEY") or netrc.netrc().authenticators("api.wandb.ai")):  # `wandb login`
-                raise OSError("no key")
-            url = urllib.parse.urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+            url = urllib.parse.urlsplit(os.getenv("WANDB_BASE_URL") or wandb.Settings().base_url)  # wandb's server
+            if not (os.getenv("WANDB_API_KEY") or netrc.netrc().hosts.keys() & {url.netloc, "api.wandb.ai"}):
+                raise OSError("no key")  # `wandb login` keeps it under the server's name; an older wandb, api.wandb.ai
             socket.create_connection((url.hostname, url.port or 443), timeout=3).close()  # its server answers?
         except (OSError, netrc.NetrcParseError):
             os.environ["WANDB_MODE"] = "offline"  # `wandb sync` its logs later
             print(f"no W&B key, or no answer from its server: W&B logs offline into {run_dir / 'wandb'}", flush=True)
-    wandb = {"id": state.run_id, "resume": "allow", "name": args.experiment_name, "dir": str(run_dir)}
-    accelerator.init_trackers(args.wandb_project, config=vars(args), init_kwargs={"wandb": wandb})
+    run = {"id": state.run_id, "resume": "allow", "name": args.experiment_name, "dir": str(run_dir)}
+    accelerator.init_trackers(args.wandb_project, config=vars(args), init_kwargs={"wandb": run})
     return state
 
 # %% ../notebooks/08_training_script.ipynb #55d92370
@@ -353,10 +354,9 @@ def within(low: float, high: float = math.inf, kind: type = float, but: float = 
 
 def get_args_parser() -> argparse.ArgumentParser:
     about = "Train an image classifier (ResNet50 on ImageNet by default) with Accelerate."
-    batch = "--batch_size is PER PROCESS: global batch = batch_size x gradient_accumulation_steps x processes."
-    formatter = argparse.ArgumentDefaultsHelpFormatter
+    tip = "--batch_size is PER PROCESS: global batch = batch_size x gradient_accumulation_steps x processes."
     COUNT, AT_LEAST_0, BELOW_1, ABOVE_0 = within(1, kind=int), within(0), within(0, 1, but=1), within(0, 1, but=0)
-    parser = OneLineParser(prog="simple_train", description=about, epilog=batch, formatter_class=formatter)
+    parser = OneLineParser("simple_train", None, about, tip, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = parser.add_argument_group("the video's flags").add_argument  # its names; defaults: torchvision's V1 recipe
     add("--experiment_name", default="resnet50_imagenet", help="outputs go to <working_directory>/<experiment_name>/")
     add("--path_to_data", required=True, help="a folder with train/<class>/ and val/<class>/ (or validation/<class>/)")

@@ -15,25 +15,38 @@ from urllib.parse import urlsplit
 from .core import UserError
 
 # %% auto #0
-__all__ = ['WANDB_MODES', 'wandb_api_key_configured', 'resolve_wandb_mode', 'wandb_server_problem', 'start_trackers',
-           'check_trackers', 'read_wandb_offline_run']
+__all__ = ['WANDB_MODES', 'wandb_server_url', 'wandb_api_key_configured', 'resolve_wandb_mode', 'wandb_server_problem',
+           'start_trackers', 'check_trackers', 'read_wandb_offline_run']
 
 # %% ../notebooks/06d_trackers.ipynb #556d5937
 WANDB_MODES = ("online", "offline", "disabled")
 _WANDB_MODE_ALIASES = {"dryrun": "offline", "run": "online", "shared": "online"}
 
 
+def wandb_server_url() -> str:
+    """The W&B server that wandb talks to: `WANDB_BASE_URL`, else the installed wandb's default (its
+    `Settings().base_url`: https://api.forge.coreweave.com in wandb 0.31, https://api.wandb.ai in older releases)."""
+    explicit = os.environ.get("WANDB_BASE_URL", "").strip()
+    if explicit:
+        return explicit
+    import wandb  # here, not at the top: a run that sets WANDB_MODE or a key in the environment never imports it
+
+    return wandb.Settings().base_url
+
+
 def wandb_api_key_configured() -> bool:
-    """True when W&B has a key without asking: `WANDB_API_KEY` or a `.netrc` entry for its host."""
+    """True when W&B has a key without asking: `WANDB_API_KEY`, or a `.netrc` entry for its server (where `wandb
+    login` saves it), or for api.wandb.ai when that server is CoreWeave's address in front of it (as wandb reads)."""
     if os.environ.get("WANDB_API_KEY", "").strip():
         return True
-    host = urlsplit(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).netloc or "api.wandb.ai"
+    host = urlsplit(wandb_server_url()).netloc
+    hosts = [host, "api.wandb.ai"] if host == "api.forge.coreweave.com" else [host]  # a login of an older wandb
     path = Path(os.environ.get("NETRC", "~/.netrc")).expanduser()
     try:
-        creds = netrc.netrc(path).authenticators(host)
+        entries = netrc.netrc(path)
     except (OSError, netrc.NetrcParseError):
         return False
-    return bool(creds and creds[2])
+    return any((creds := entries.authenticators(name)) and creds[2] for name in hosts)
 
 
 def resolve_wandb_mode() -> str:
@@ -56,13 +69,13 @@ def resolve_wandb_mode() -> str:
 
 # %% ../notebooks/06d_trackers.ipynb #b6bb495d
 def wandb_server_problem(timeout: float = 3.0) -> str | None:
-    """Why the W&B server (`WANDB_BASE_URL`, else api.wandb.ai) does not answer within `timeout` seconds; None if it
-    answers. `wandb.init` online would otherwise wait for it about 90 s and then fail with a traceback. One HTTP
-    request (proxies of the environment honoured) in a thread, so that a hanging DNS lookup is bounded too."""
+    """Why the W&B server (`wandb_server_url`) does not answer within `timeout` seconds; None if it answers.
+    `wandb.init` online would otherwise wait for it about 90 s and then fail with a traceback. One HTTP request
+    (proxies of the environment honoured) in a thread, so that a hanging DNS lookup is bounded too."""
     import urllib.error
     import urllib.request
 
-    url = os.environ.get("WANDB_BASE_URL", "").strip() or "https://api.wandb.ai"
+    url = wandb_server_url()
     answers: list = []
 
     def ask() -> None:
