@@ -27,11 +27,15 @@ def test_resolve_wandb_mode_is_online_with_a_key_in_the_environment(no_wandb_con
     assert resolve_wandb_mode() == "online"
 
 
-def test_resolve_wandb_mode_is_online_with_a_netrc_entry(no_wandb_config, monkeypatch):
-    netrc_file = no_wandb_config / "netrc"
-    netrc_file.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+def write_netrc(folder: Path, monkeypatch, *machines: str) -> None:
+    netrc_file = folder / "netrc"
+    netrc_file.write_text("".join(f"machine {m}\n  login user\n  password {'k' * 40}\n" for m in machines))
     netrc_file.chmod(0o600)
     monkeypatch.setenv("NETRC", str(netrc_file))
+
+
+def test_resolve_wandb_mode_is_online_with_a_netrc_entry(no_wandb_config, monkeypatch):
+    write_netrc(no_wandb_config, monkeypatch, "api.wandb.ai")
     assert resolve_wandb_mode() == "online"
 
 
@@ -126,13 +130,6 @@ def test_reading_an_offline_wandb_run_stops_at_a_torn_record_and_refuses_other_f
 
 
 # --- which server, and which saved key: what the installed wandb itself would use -------------------------
-
-
-def write_netrc(folder: Path, monkeypatch, *machines: str) -> None:
-    netrc_file = folder / "netrc"
-    netrc_file.write_text("".join(f"machine {m}\n  login user\n  password {'k' * 40}\n" for m in machines))
-    netrc_file.chmod(0o600)
-    monkeypatch.setenv("NETRC", str(netrc_file))
 
 
 def test_a_key_wandb_login_saved_for_the_installed_wandbs_own_server_counts(no_wandb_config, monkeypatch):
