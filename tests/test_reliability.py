@@ -536,6 +536,28 @@ def test_latest_resumes_only_checkpoints_of_the_folders_own_run(tmp_path, data, 
     ), done.stderr
 
 
+@pytest.mark.slow
+def test_a_resume_from_an_older_checkpoint_moves_the_newer_aside_and_latest_then_follows_the_new_branch(
+    tmp_path, data, finished_run
+):
+    """A rollback (after a loss spike, say) continues from an older checkpoint of the run. Killed before it passes the
+    step it left, the run must resume its new branch, not the one it left (the highest step): the newer checkpoints
+    move aside, nothing is deleted, and `keep_last` prunes the new branch's checkpoints no sooner than usual."""
+    run = Path(shutil.copytree(finished_run, tmp_path / "runs" / "bad"))
+    older, newer = list_checkpoints(run)  # keep_last 2 of a checkpoint every 2 steps
+    left = sha256_file(newer / "model.safetensors")
+    branch = cli(tmp_path, data, epochs=2, checkpoint_every_steps=2, resume_from_checkpoint=older, stop_after_steps=11)
+    assert branch.returncode == 0, branch.stderr
+    assert f"moved the checkpoints newer than {older.name} aside ({newer.name}.abandoned-" in branch.stdout
+    aside = [p for p in (run / "checkpoints").iterdir() if p.name.startswith(f"{newer.name}.abandoned-")]
+    assert len(aside) == 1 and sha256_file(aside[0] / "model.safetensors") == left, "moved whole, not deleted"
+    assert [p.name for p in list_checkpoints(run)] == [older.name, "step_000000011"]
+    resumed = cli(tmp_path, data, epochs=2, checkpoint_every_steps=2, resume_from_checkpoint="latest")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {run / 'checkpoints' / 'step_000000011'}:" in resumed.stdout, resumed.stdout
+    assert [p.name for p in list_checkpoints(run)] == ["step_000000011", newer.name] and aside[0].is_dir()
+
+
 # A process that takes a run folder's lock, drops it without `release` (its file stays open: the folder stays locked
 # until the process ends), forks a child that outlives it, prints the child's pid and ends.
 DROPPED_LOCK = """

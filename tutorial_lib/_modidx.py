@@ -208,6 +208,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                         'tutorial_lib/checkpoints.py'),
                                           'tutorial_lib.checkpoints.save_final_model': ( 'checkpoints.html#save_final_model',
                                                                                          'tutorial_lib/checkpoints.py'),
+                                          'tutorial_lib.checkpoints.set_aside_newer': ( 'checkpoints.html#set_aside_newer',
+                                                                                        'tutorial_lib/checkpoints.py'),
                                           'tutorial_lib.checkpoints.sha256_file': ( 'checkpoints.html#sha256_file',
                                                                                     'tutorial_lib/checkpoints.py'),
                                           'tutorial_lib.checkpoints.verify_checkpoint': ( 'checkpoints.html#verify_checkpoint',

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import sys
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -24,7 +25,7 @@ __all__ = ['CHECKPOINT_FORMAT', 'MANIFEST', 'PROGRESS_FILE', 'CheckpointError', 
            'list_checkpoints', 'incomplete_checkpoints', 'latest_checkpoint', 'fsync_path', 'atomic_write_text',
            'sha256_file', 'model_signature', 'save_checkpoint', 'follow_umask', 'DiskFullError', 'verify_checkpoint',
            'load_checkpoint', 'resolve_resume_path', 'checkpoint_run_id', 'save_final_model', 'TrainState',
-           'folder_run_id', 'resume_state']
+           'folder_run_id', 'set_aside_newer', 'resume_state']
 
 # %% ../notebooks/06a_checkpoints.ipynb #ff4a7d63
 class CheckpointError(UserError, ValueError):
@@ -522,6 +523,18 @@ def folder_run_id(run_dir: str | os.PathLike) -> str | None:
         )
     return ids[0] if ids else None
 
+
+def set_aside_newer(run_dir: str | os.PathLike, checkpoint: Path) -> list[Path]:
+    """Main process, after a resume from `checkpoint`: if it is one of the run's own, its newer complete
+    checkpoints move aside (`step_<N>.abandoned-<time>`), so that `latest` and `keep_last` follow the resumed
+    branch. Returns their new paths."""
+    root = checkpoint_root(run_dir)
+    if not _is_step_folder(checkpoint) or checkpoint.resolve().parent != root.resolve():
+        return []  # a checkpoint of another folder: this folder's own are not a branch it leaves
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    newer = [p for p in list_checkpoints(run_dir) if int(p.name[5:]) > int(checkpoint.name[5:])]
+    return [p.rename(p.with_name(f"{p.name}.abandoned-{stamp}")) for p in newer]
+
 # %% ../notebooks/06a_checkpoints.ipynb #fa33e4fd
 def resume_state(
     accelerator,
@@ -564,6 +577,14 @@ def resume_state(
             f"optimizer step {state.global_step}",
             flush=True,
         )
+        if resume != "latest" and accelerator.is_main_process:
+            left = ", ".join(p.name for p in set_aside_newer(run_dir, path))
+            if left:
+                print(
+                    f"moved the checkpoints newer than {path.name} aside ({left}; nothing deleted): "
+                    "--resume_from_checkpoint latest now follows the run from here",
+                    flush=True,
+                )
     elif resume == "latest":
         accelerator.print(f"no checkpoint in {checkpoint_root(run_dir)} yet: starting from scratch", flush=True)
     if not state.wandb_run_id:
