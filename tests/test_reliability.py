@@ -548,8 +548,8 @@ def test_a_resume_from_an_older_checkpoint_moves_the_newer_aside_and_latest_then
     left = sha256_file(newer / "model.safetensors")
     branch = cli(tmp_path, data, epochs=2, checkpoint_every_steps=2, resume_from_checkpoint=older, stop_after_steps=11)
     assert branch.returncode == 0, branch.stderr
-    assert f"moved the checkpoints newer than {older.name} aside ({newer.name}.abandoned-" in branch.stdout
-    aside = [p for p in (run / "checkpoints").iterdir() if p.name.startswith(f"{newer.name}.abandoned-")]
+    assert f"moved the checkpoints newer than {older.name} aside (abandoned-{newer.name}-" in branch.stdout
+    aside = [p for p in (run / "checkpoints").iterdir() if p.name.startswith(f"abandoned-{newer.name}-")]
     assert len(aside) == 1 and sha256_file(aside[0] / "model.safetensors") == left, "moved whole, not deleted"
     assert [p.name for p in list_checkpoints(run)] == [older.name, "step_000000011"]
     resumed = cli(tmp_path, data, epochs=2, checkpoint_every_steps=2, resume_from_checkpoint="latest")

@@ -526,14 +526,14 @@ def folder_run_id(run_dir: str | os.PathLike) -> str | None:
 
 def set_aside_newer(run_dir: str | os.PathLike, checkpoint: Path) -> list[Path]:
     """Main process, after a resume from `checkpoint`: if it is one of the run's own, its newer complete
-    checkpoints move aside (`step_<N>.abandoned-<time>`), so that `latest` and `keep_last` follow the resumed
+    checkpoints move aside (`abandoned-step_<N>-<time>`), so that `latest` and `keep_last` follow the resumed
     branch. Returns their new paths."""
     root = checkpoint_root(run_dir)
     if not _is_step_folder(checkpoint) or checkpoint.resolve().parent != root.resolve():
         return []  # a checkpoint of another folder: this folder's own are not a branch it leaves
     stamp = time.strftime("%Y%m%d-%H%M%S")
     newer = [p for p in list_checkpoints(run_dir) if int(p.name[5:]) > int(checkpoint.name[5:])]
-    return [p.rename(p.with_name(f"{p.name}.abandoned-{stamp}")) for p in newer]
+    return [p.rename(p.with_name(f"abandoned-{p.name}-{stamp}")) for p in newer]
 
 # %% ../notebooks/06a_checkpoints.ipynb #fa33e4fd
 def resume_state(
