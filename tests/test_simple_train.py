@@ -411,6 +411,26 @@ def refused(capsys, **options) -> str:
 
 
 @pytest.mark.slow
+def test_a_rollback_moves_the_newer_checkpoints_aside_and_latest_follows_it(tmp_path, capsys):
+    """An explicit resume from an older checkpoint of the run (a rollback) moves the newer ones aside, whole, so that
+    `latest` continues the rollback, not the branch it left, even when the rollback saved nothing yet (here it ends at
+    once: `--epochs 1` from the end of epoch 0, as a kill before its first checkpoint would leave it)."""
+    data = subset(tmp_path / "data", 4, 2)  # 40 images: 5 batches of 8 per epoch
+    common = dict(**SMALL, path_to_data=data, working_directory=tmp_path, experiment_name="job")
+    run_in_process(**{**common, "epochs": 2})
+    checkpoints = tmp_path / "job" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000000005", "step_000000010"]
+    capsys.readouterr()
+    run_in_process(**common, resume_from_checkpoint="checkpoints/step_000000005")  # SMALL: 1 epoch, done already
+    assert "moved step_000000010 aside to abandoned-step_000000010-" in capsys.readouterr().out
+    aside = [p for p in checkpoints.iterdir() if p.name.startswith("abandoned-step_000000010-")]
+    assert len(aside) == 1 and (aside[0] / "done.json").is_file(), "moved whole, not deleted"
+    run_in_process(**{**common, "epochs": 2}, resume_from_checkpoint="latest")
+    assert f"resumed from {checkpoints / 'step_000000005'}" in capsys.readouterr().out
+    assert [r["epoch"] for r in rows(tmp_path / "job")] == [0, 1] and (checkpoints / "step_000000010").is_dir()
+
+
+@pytest.mark.slow
 def test_one_run_per_folder_a_fresh_start_into_anothers_folder_is_refused_and_latest_resumes_only_its_own(
     tmp_path, capsys
 ):

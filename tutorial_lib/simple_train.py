@@ -159,13 +159,11 @@ def evaluate(model, val_loader, accelerator, args) -> dict:
     """Loss and top-1 over the whole validation set, each image counted exactly once on any number of processes."""
     model.eval()
     # every process sees every gathered image: no further sum, or each image would count once per process
-    loss_mean = MeanMetric(sync_on_compute=False).to(accelerator.device)
+    loss_mean, count = MeanMetric(sync_on_compute=False).to(accelerator.device), 0
     top1 = MulticlassAccuracy(args.num_classes, average="micro", sync_on_compute=False).to(accelerator.device)
-    count = 0
     for images, labels in val_loader:
-        logits = model(images)
         # fixed (06): the video gathered each process's mean, padding included; gather every image, drop the padding
-        logits, labels = accelerator.gather_for_metrics((logits, labels))
+        logits, labels = accelerator.gather_for_metrics((model(images), labels))
         losses = F.cross_entropy(logits.float(), labels, reduction="none", label_smoothing=args.label_smoothing)
         loss_mean.update(losses)
         top1.update(logits, labels)
@@ -242,6 +240,9 @@ def claim_folder(args, run_dir: Path, batch: int) -> list:
     changed = [f"--{k} {v}" for k, v in done.get("flags", {}).items() if now[k] != v]
     if changed:  # its weights would not fit, or load_state would silently bring back the saved optimizer settings
         return [f"{checkpoint} was saved with {', '.join(changed)}: give the same, or another --experiment_name"]
+    for f in sorted(run_dir.glob("checkpoints/step_*")) if done and resume != "latest" else []:  # a rollback: set aside
+        if checkpoint.name[:5] == "step_" and f.name > checkpoint.name and completed(f).get("run") == owner:
+            print(f"moved {f.name} aside to {f.rename(f.with_name(f'abandoned-{f.name}-{time.time():.0f}')).name}")
     if not owner:  # a new folder: it becomes this run's (written through `lock` too)
         print(owner := done.get("run") or os.urandom(4).hex(), file=lock, end="", flush=True)
     return [None, owner, checkpoint, lock]
@@ -265,8 +266,7 @@ def start_run(accelerator, args, run_dir: Path, checkpoint: Path | None, run_id:
     """Resume (or not), start the trackers: W&B continues the checkpoint's run, offline if it cannot log online."""
     state = RunState(run_id)
     accelerator.register_for_checkpointing(state)  # save_state and load_state carry it with the model and optimizer
-    if checkpoint is not None:
-        # fixed (08b): the video restarted at the epoch in the folder's name (training it again) and began a new W&B run
+    if checkpoint is not None:  # fixed (08b): the video restarted at the epoch in the folder's name, and a new W&B run
         accelerator.load_state(checkpoint)
         accelerator.print(f"resumed from {checkpoint}: epoch {state.epoch}, {state.batches_done} batches into it")
     if args.log_with == "wandb" and accelerator.is_main_process and not os.environ.get("WANDB_MODE"):
